@@ -66,9 +66,17 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
                 key = torch.minimum(pk, own)
             else:
                 key = pv + own
-            out.append(dict(path=path + (tok,), token=tok, parent=parent_id,
-                            depth=(parent["depth"] + 1) if parent else 1, value=pv + own, key=key,
-                            frontier=False))
+            out.append(
+                dict(
+                    path=path + (tok,),
+                    token=tok,
+                    parent=parent_id,
+                    depth=(parent["depth"] + 1) if parent else 1,
+                    value=pv + own,
+                    key=key,
+                    frontier=False,
+                )
+            )
         return out
 
     def best(ids, k):
@@ -92,8 +100,10 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
             nodes[i]["frontier"] = True
     if mode == "no_rerank":
         front = [i for i, n in enumerate(nodes) if n["frontier"]]
-        rest = sorted((i for i, n in enumerate(nodes) if not n["frontier"]),
-                      key=lambda i: (-float(nodes[i]["value"]), i))
+        rest = sorted(
+            (i for i, n in enumerate(nodes) if not n["frontier"]),
+            key=lambda i: (-float(nodes[i]["value"]), i),
+        )
         kept = sorted((front + rest)[:num_tokens])
     else:
         kept = sorted(best(range(len(nodes)), num_tokens))
@@ -108,8 +118,9 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
 
 def run_fast(batch, vocab, seed, depth, topk, num_tokens, mode, fn=node_logprobs):
     draft = PathDraft([(1000 + b,) for b in range(batch)], vocab, seed, fn)
-    tree = build_dynamic_tree(draft.root_logprobs(), draft, depth=depth, topk=topk,
-                              num_tokens=num_tokens, mode=mode)
+    tree = build_dynamic_tree(
+        draft.root_logprobs(), draft, depth=depth, topk=topk, num_tokens=num_tokens, mode=mode
+    )
     return tree, draft
 
 
@@ -131,8 +142,9 @@ def test_tree_matches_loop_reference(mode, depth, topk, num_tokens):
     tree, draft = run_fast(batch, vocab, seed, depth, topk, num_tokens, mode)
     assert tree.tokens.shape == (batch, tree_size(mode, depth, topk, num_tokens))
     for b in range(batch):
-        tokens, parents, depths, scores = reference_tree((1000 + b,), vocab, seed, depth, topk,
-                                                         num_tokens, mode)
+        tokens, parents, depths, scores = reference_tree(
+            (1000 + b,), vocab, seed, depth, topk, num_tokens, mode
+        )
         assert tree.tokens[b].tolist() == tokens
         assert tree.parents[b].tolist() == parents
         assert tree.depths[b].tolist() == depths
@@ -197,8 +209,9 @@ def test_num_tokens_equal_to_pool_keeps_every_node():
 def test_nan_in_draft_logits_is_never_preferred():
     def nan_logprobs(path, vocab, seed):
         lp = node_logprobs(path, vocab, seed)
-        lp[:vocab // 2] = math.nan
+        lp[: vocab // 2] = math.nan
         return lp
+
     tree, _ = run_fast(2, 32, 0, 3, 4, 12, "dynamic", fn=nan_logprobs)
     assert (tree.tokens >= 16).all() and torch.isfinite(tree.scores).all()
 
@@ -224,8 +237,9 @@ def test_shape_mismatches_raise_value_error():
     with pytest.raises(ValueError, match="root_logprobs"):
         build_dynamic_tree(torch.zeros(16), lambda *a: None, depth=1, topk=2, num_tokens=2)
     with pytest.raises(ValueError, match="draft_step"):
-        build_dynamic_tree(torch.zeros(1, 16), lambda t, s, lvl: torch.zeros(1, 2, 8), depth=2, topk=2,
-                           num_tokens=2)
+        build_dynamic_tree(
+            torch.zeros(1, 16), lambda t, s, lvl: torch.zeros(1, 2, 8), depth=2, topk=2, num_tokens=2
+        )
 
 
 @settings(max_examples=60, deadline=None)

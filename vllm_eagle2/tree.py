@@ -227,9 +227,7 @@ def build_dynamic_tree(
     position_of = torch.full((batch, pool), -1, dtype=torch.long, device=device)
     position_of.scatter_(1, kept, torch.arange(num_tokens, device=device).expand(batch, -1))
     parent_pool = pool_parent.gather(1, kept)
-    parents = torch.where(
-        parent_pool >= 0, position_of.gather(1, parent_pool.clamp(min=0)), parent_pool
-    )
+    parents = torch.where(parent_pool >= 0, position_of.gather(1, parent_pool.clamp(min=0)), parent_pool)
     return DraftTree(
         tokens=pool_tokens.gather(1, kept),
         parents=parents,
@@ -256,9 +254,7 @@ def _node_key(
     return parent_key + logp
 
 
-def _rerank(
-    mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
+def _rerank(mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Pool indices [B, num_tokens] of the kept nodes, sorted ascending (level order)."""
     if mode == "no_rerank":
         # Frontier nodes first, in drafting order; leftover budget to the best of the rest.

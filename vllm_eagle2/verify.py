@@ -1,0 +1,298 @@
+"""Lossless verification of draft trees against the target model, batched over requests.
+
+Layout shared by every function here: a batch of B trees of N nodes (see
+:class:`vllm_eagle2.tree.DraftTree`; ``tokens < 0`` marks padding nodes that can never be
+accepted) and the target's output at the root and at every node, ``[B, N + 1, V]``: row 0
+is the target's next-token distribution after the root, row ``i + 1`` after node ``i``.
+
+* Greedy: the longest root-to-node path whose every token equals the target's argmax at
+  its parent, plus the target's argmax after that path (the bonus token).
+* Sampling: recursive rejection sampling over each accepted node's children. Draft
+  proposals are deterministic (q is a point mass), so child ``x`` is accepted with
+  probability ``p(x)``; on rejection ``p(x)`` is zeroed and ``p`` renormalised before the
+  next sibling, and if every child is rejected the output token is drawn from what is
+  left. One uniform ``u`` per level realises exactly these probabilities: sibling ``j``
+  is accepted iff ``sum_{i<j} p_i <= u < sum_{i<=j} p_i``. The emitted tokens are then
+  distributed exactly as sampling from the target alone.
+
+Only loops over tree levels; every request is handled in the same tensor ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "VerifyResult",
+    "apply_top_k_top_p",
+    "target_probs",
+    "verify_greedy",
+    "verify_sampling",
+    "verify_tree",
+]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Per-request outcome of verification.
+
+    accepted_nodes: [B, D] int64, accepted node indices root-side first, -1 padded
+        (D = the deepest node's depth): the KV entries to keep, in order.
+    num_accepted: [B] int64, number of accepted draft nodes.
+    output_tokens: [B, D + 1] int64, the accepted tokens then the bonus / correction
+        token, -1 padded: ``num_accepted + 1`` tokens per request.
+    """
+
+    accepted_nodes: torch.Tensor
+    num_accepted: torch.Tensor
+    output_tokens: torch.Tensor
+
+
+def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, name: str) -> None:
+    if tokens.dim() != 2 or parents.shape != tokens.shape:
+        raise ValueError(
+            f"tokens and parents must both be [B, N]; got {tuple(tokens.shape)} and {tuple(parents.shape)}"
+        )
+    batch, n = tokens.shape
+    if target.dim() != 3 or target.shape[:2] != (batch, n + 1):
+        raise ValueError(f"{name} must be [B, N + 1, V] = [{batch}, {n + 1}, V]; got {tuple(target.shape)}")
+
+
+def _node_depths(parents: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Depth of every node [B, N] (1 = child of root) and the maximum depth.
+
+    Pointer jumping: each round adds the hop length of the node's current target and
+    jumps to that target's target, so log2(N) rounds reach the root from any node.
+    """
+    depths = torch.ones_like(parents)
+    target = parents.clone()
+    for _ in range(max(1, parents.shape[1]).bit_length()):
+        up = target >= 0
+        safe = target.clamp(min=0)
+        depths = depths + torch.where(up, depths.gather(1, safe), 0)
+        target = torch.where(up, target.gather(1, safe), target)
+    max_depth = int(depths.max()) if depths.numel() else 0
+    return depths, max_depth
+
+
+def _result_from_leaf(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    max_depth: int,
+    leaf: torch.Tensor,
+    final_token: torch.Tensor,
+) -> VerifyResult:
+    """Build the result from the deepest accepted node per request (-1 = none)."""
+    batch = tokens.shape[0]
+    rows = torch.arange(batch, device=tokens.device)
+    num_accepted = torch.where(leaf >= 0, depths[rows, leaf.clamp(min=0)], 0)
+    accepted = torch.full((batch, max_depth), -1, dtype=torch.long, device=tokens.device)
+    output = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=tokens.device)
+    node = leaf
+    for _ in range(max_depth):  # walk up from the leaf, one level per round
+        valid = node >= 0
+        safe = node.clamp(min=0)
+        slot = (depths[rows, safe] - 1).clamp(min=0)
+        accepted[rows[valid], slot[valid]] = node[valid]
+        output[rows[valid], slot[valid]] = tokens[rows[valid], safe[valid]]
+        node = torch.where(valid, parents[rows, safe], node)
+    output[rows, num_accepted] = final_token
+    return VerifyResult(accepted_nodes=accepted, num_accepted=num_accepted, output_tokens=output)
+
+
+def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Greedy verification: longest path matching the target's argmax, plus the bonus token.
+
+    Args:
+        tokens: [B, N] int64 drafted tokens (< 0 = padding).
+        parents: [B, N] int64, -1 = child of root, else index of the parent (< own index).
+        target_logits: [B, N + 1, V] target logits (or probabilities) at root and nodes.
+    """
+    _check_tree(tokens, parents, target_logits, "target_logits")
+    choice = target_logits.argmax(dim=-1)  # [B, N + 1]
+    return _greedy_from_choice(tokens, parents, choice)
+
+
+def _greedy_from_choice(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor) -> VerifyResult:
+    n = tokens.shape[1]
+    depths, max_depth = _node_depths(parents)
+    match = (tokens >= 0) & (tokens == choice.gather(1, parents + 1))
+    ok = match & (parents < 0)
+    for _ in range(max_depth - 1):  # a node is on the accepted path if its parent is
+        ok = match & ((parents < 0) | ok.gather(1, parents.clamp(min=0)))
+    # Deepest accepted node; among equals (duplicate siblings) the first one.
+    index = torch.arange(n, device=tokens.device)
+    rank = torch.where(ok, depths * (n + 1) + (n - index), -1)
+    best_rank, leaf = rank.max(dim=1)
+    leaf = torch.where(best_rank >= 0, leaf, -1)
+    final = choice.gather(1, (leaf + 1).unsqueeze(1)).squeeze(1)
+    return _result_from_leaf(tokens, parents, depths, max_depth, leaf, final)
+
+
+def _uniforms(
+    shape: tuple[int, ...],
+    generators: dict[int, torch.Generator] | None,
+    device: torch.device,
+    default: torch.Generator | None,
+) -> torch.Tensor:
+    u = torch.rand(shape, device=device, generator=default)
+    # Seeded requests draw from their own generator so their output is reproducible.
+    for row, gen in (generators or {}).items():
+        u[row] = torch.rand(shape[1:], device=device, generator=gen)
+    return u
+
+
+def _exponentials(
+    shape: tuple[int, ...],
+    generators: dict[int, torch.Generator] | None,
+    device: torch.device,
+    default: torch.Generator | None,
+) -> torch.Tensor:
+    e = torch.empty(shape, device=device).exponential_(generator=default)
+    for row, gen in (generators or {}).items():
+        e[row].exponential_(generator=gen)
+    return e
+
+
+def verify_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    generators: dict[int, torch.Generator] | None = None,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Lossless recursive rejection sampling over each request's tree.
+
+    Args:
+        tokens: [B, N] int64 drafted tokens (< 0 = padding).
+        parents: [B, N] int64, -1 = child of root, else index of the parent.
+        target_probs: [B, N + 1, V] target probabilities at the root and every node,
+            after temperature / top-k / top-p (rows sum to 1).
+        generators: optional per-row generators (row index -> generator) for seeded
+            requests; other rows draw from ``generator`` (or torch's global one).
+    """
+    _check_tree(tokens, parents, target_probs, "target_probs")
+    batch, n = tokens.shape
+    device = tokens.device
+    depths, max_depth = _node_depths(parents)
+    rows = torch.arange(batch, device=device)
+    valid_node = tokens >= 0
+    safe_tokens = tokens.clamp(min=0)
+    # A token repeated among siblings gets no second chance: p(x) is already zeroed.
+    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)
+    same_token = tokens.unsqueeze(2) == tokens.unsqueeze(1)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
+    duplicate = (same_parent & same_token & earlier & valid_node.unsqueeze(1)).any(dim=2)
+    candidate = valid_node & ~duplicate
+
+    u = _uniforms((batch, max_depth + 1), generators, device, generator)
+    current = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1 = root
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    for level in range(max_depth):
+        p = target_probs[rows, current + 1]  # [B, V] distribution at the current node
+        children = candidate & (parents == current.unsqueeze(1)) & active.unsqueeze(1)
+        p_child = torch.where(children, p.gather(1, safe_tokens), 0.0)
+        cum = p_child.cumsum(dim=1)
+        hit = children & (p_child > 0) & (u[:, level : level + 1] < cum)
+        accepted_any = hit.any(dim=1)
+        first_hit = hit.int().argmax(dim=1)
+        current = torch.where(accepted_any, first_hit, current)
+        active = active & accepted_any
+    # Residual at the last accepted node: its distribution minus all (rejected) children.
+    p = target_probs[rows, current + 1].float()
+    children = candidate & (parents == current.unsqueeze(1))
+    rejected = torch.zeros_like(p).scatter_add_(1, safe_tokens, children.float())
+    residual = torch.where(rejected > 0, 0.0, p)
+    # Rounding can leave (almost) no mass when the children covered it: use p itself.
+    empty = residual.sum(dim=1, keepdim=True) <= 0
+    residual = torch.where(empty, p, residual)
+    noise = _exponentials(tuple(residual.shape), generators, device, generator)
+    final = (residual / noise).argmax(dim=1)  # a sample from residual / sum(residual)
+    return _result_from_leaf(tokens, parents, depths, max_depth, current, final)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits [B, R, V] outside each row's top-k / top-p set with -inf.
+
+    top_k: [B] int64 (>= vocabulary size or <= 0 = off); top_p: [B] float (1 = off).
+    Same rule as vLLM's sampler: top-k keeps ties at the threshold, top-p drops the
+    lowest tokens whose cumulative probability stays <= 1 - p, and always keeps one.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab).long()
+        threshold = sorted_logits.gather(-1, (vocab - k).view(-1, 1, 1).expand(*logits.shape[:-1], 1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, -torch.inf)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p.view(-1, 1, 1)
+        drop[..., -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def target_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Target distribution [B, R, V] from logits [B, R, V] after temperature [B] (> 0)."""
+    scaled = logits.float() / temperature.float().view(-1, 1, 1)
+    return apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+
+
+def verify_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> VerifyResult:
+    """Verify a batch mixing greedy (temperature 0) and sampled requests.
+
+    temperature/top_k/top_p: [B] per-request settings; ``temperature`` None or <= 0
+    (per row) = greedy. ``generators`` as in :func:`verify_sampling`.
+    """
+    greedy = verify_greedy(tokens, parents, target_logits)
+    if temperature is None:
+        return greedy
+    sampled_rows = (temperature > 0).nonzero().squeeze(1)
+    if sampled_rows.numel() == 0:
+        return greedy
+    row_of = {int(r): i for i, r in enumerate(sampled_rows.tolist())}
+    probs = target_probs(
+        target_logits[sampled_rows],
+        temperature[sampled_rows],
+        None if top_k is None else top_k[sampled_rows],
+        None if top_p is None else top_p[sampled_rows],
+    )
+    sampled = verify_sampling(
+        tokens[sampled_rows],
+        parents[sampled_rows],
+        probs,
+        generators={row_of[r]: g for r, g in (generators or {}).items() if r in row_of},
+    )
+    merged = []
+    for full, part in zip(
+        (greedy.accepted_nodes, greedy.num_accepted, greedy.output_tokens),
+        (sampled.accepted_nodes, sampled.num_accepted, sampled.output_tokens),
+    ):
+        full = full.clone()
+        if full.dim() == 2:  # the sampled rows' trees may be shallower: pad with -1
+            part = torch.nn.functional.pad(part, (0, full.shape[1] - part.shape[1]), value=-1)
+        full[sampled_rows] = part
+        merged.append(full)
+    return VerifyResult(*merged)
