@@ -111,9 +111,18 @@ def validate_tree_args(mode: str, depth: int, topk: int, num_tokens: int) -> Non
         )
 
 
-def _sanitize(logprobs: torch.Tensor) -> torch.Tensor:
-    # A NaN from the draft must never outrank a real candidate: make it impossible.
-    return torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=-math.inf)
+def _topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (values, indices) over the last dim; NaN and +inf never outrank real candidates.
+
+    torch.topk ranks NaN and +inf highest; only when one shows up among the winners is
+    the whole tensor cleaned (a full copy of [..., V] at every level would cost more than
+    the top-k itself).
+    """
+    values, indices = logprobs.float().topk(k, dim=-1)
+    if bool(torch.isnan(values).any() or torch.isposinf(values).any()):
+        clean = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=-math.inf)
+        values, indices = clean.topk(k, dim=-1)
+    return values, indices
 
 
 def _stable_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
@@ -176,7 +185,7 @@ def build_dynamic_tree(
     frontier_flag = torch.zeros(batch, pool, dtype=torch.bool, device=device)
 
     # Level 1: the root's top-k children, all of them the first frontier.
-    logp, tokens = _sanitize(root_logprobs).topk(k, dim=-1)  # [B, k], sorted descending
+    logp, tokens = _topk(root_logprobs, k)  # [B, k], sorted descending
     rank_logp = _rank_prior(k, device).expand(batch, k)
     key = _node_key(mode, parent_key=torch.zeros_like(logp), logp=logp, rank_logp=rank_logp)
     pool_tokens[:, :k] = tokens
@@ -196,7 +205,7 @@ def build_dynamic_tree(
                 f"draft_step must return logprobs of shape {(batch, k, vocab)} at level {level}; "
                 f"got {tuple(child_lp.shape)}"
             )
-        logp, tokens = _sanitize(child_lp).topk(k, dim=-1)  # [B, k, k]
+        logp, tokens = _topk(child_lp, k)  # [B, k, k]
         value = (frontier_value.unsqueeze(-1) + logp).flatten(1)  # [B, k*k]
         key = _node_key(
             mode,

@@ -20,6 +20,7 @@ Only loops over tree levels; every request is handled in the same tensor ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,24 +113,78 @@ def verify_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: to
         target_logits: [B, N + 1, V] target logits (or probabilities) at root and nodes.
     """
     _check_tree(tokens, parents, target_logits, "target_logits")
-    choice = target_logits.argmax(dim=-1)  # [B, N + 1]
-    return _greedy_from_choice(tokens, parents, choice)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    return _walk(tokens, parents, lambda current: target_logits[rows, current + 1], uniforms=None)
 
 
-def _greedy_from_choice(tokens: torch.Tensor, parents: torch.Tensor, choice: torch.Tensor) -> VerifyResult:
+def _sibling_candidates(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: real nodes whose token no earlier sibling already carries."""
     n = tokens.shape[1]
+    valid = tokens >= 0
+    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)
+    same_token = tokens.unsqueeze(2) == tokens.unsqueeze(1)
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
+    duplicate = (same_parent & same_token & earlier & valid.unsqueeze(1)).any(dim=2)
+    return valid & ~duplicate
+
+
+def _walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    row_at: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    uniforms: torch.Tensor | None,
+) -> VerifyResult:
+    """Walk every tree from the root, one level per round, reading only visited rows.
+
+    row_at(current [B], -1 = root) returns the target's row [B, V] at those nodes:
+    logits for greedy walks (``uniforms`` None), probabilities for sampled walks, which
+    use ``uniforms`` [B, D + 1]: one per level, the last one for the final token.
+    """
+    batch = tokens.shape[0]
+    device = tokens.device
     depths, max_depth = _node_depths(parents)
-    match = (tokens >= 0) & (tokens == choice.gather(1, parents + 1))
-    ok = match & (parents < 0)
-    for _ in range(max_depth - 1):  # a node is on the accepted path if its parent is
-        ok = match & ((parents < 0) | ok.gather(1, parents.clamp(min=0)))
-    # Deepest accepted node; among equals (duplicate siblings) the first one.
-    index = torch.arange(n, device=tokens.device)
-    rank = torch.where(ok, depths * (n + 1) + (n - index), -1)
-    best_rank, leaf = rank.max(dim=1)
-    leaf = torch.where(best_rank >= 0, leaf, -1)
-    final = choice.gather(1, (leaf + 1).unsqueeze(1)).squeeze(1)
-    return _result_from_leaf(tokens, parents, depths, max_depth, leaf, final)
+    candidate = _sibling_candidates(tokens, parents)
+    safe_tokens = tokens.clamp(min=0)
+    current = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1 = root
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    final = torch.zeros(batch, dtype=torch.long, device=device)
+    for level in range(max_depth + 1):  # a node at max_depth has no children: all stop
+        row = row_at(current)
+        children = candidate & (parents == current.unsqueeze(1)) & active.unsqueeze(1)
+        if uniforms is None:
+            choice = row.argmax(dim=1)
+            hit = children & (tokens == choice.unsqueeze(1))
+            stop_token = choice
+        else:
+            p_child = torch.where(children, row.float().gather(1, safe_tokens), 0.0)
+            hit = children & (p_child > 0) & (uniforms[:, level : level + 1] < p_child.cumsum(dim=1))
+            stop_token = _sample_residual(row, children, safe_tokens, uniforms[:, -1])
+        accepted_any = hit.any(dim=1)
+        final = torch.where(active & ~accepted_any, stop_token, final)
+        current = torch.where(accepted_any, hit.int().argmax(dim=1), current)
+        active = active & accepted_any
+        if not bool(active.any()):
+            break
+    return _result_from_leaf(tokens, parents, depths, max_depth, current, final)
+
+
+def _sample_residual(
+    p: torch.Tensor, children: torch.Tensor, safe_tokens: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Sample [B] from p [B, V] with the (all rejected) children's tokens removed.
+
+    Inverse-CDF sampling with one uniform per row: exact, and cheap next to drawing V
+    exponentials. Zero-probability tokens are never chosen.
+    """
+    p = p.float()
+    rejected = torch.zeros_like(p).scatter_add_(1, safe_tokens, children.float())
+    residual = torch.where(rejected > 0, 0.0, p)
+    # Rounding can leave (almost) no mass when the children covered it: use p itself.
+    residual = torch.where(residual.sum(dim=1, keepdim=True) <= 0, p, residual)
+    cdf = residual.cumsum(dim=1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=p.shape[1] - 1)
 
 
 def _uniforms(
@@ -143,18 +198,6 @@ def _uniforms(
     for row, gen in (generators or {}).items():
         u[row] = torch.rand(shape[1:], device=device, generator=gen)
     return u
-
-
-def _exponentials(
-    shape: tuple[int, ...],
-    generators: dict[int, torch.Generator] | None,
-    device: torch.device,
-    default: torch.Generator | None,
-) -> torch.Tensor:
-    e = torch.empty(shape, device=device).exponential_(generator=default)
-    for row, gen in (generators or {}).items():
-        e[row].exponential_(generator=gen)
-    return e
 
 
 def verify_sampling(
@@ -176,43 +219,10 @@ def verify_sampling(
             requests; other rows draw from ``generator`` (or torch's global one).
     """
     _check_tree(tokens, parents, target_probs, "target_probs")
-    batch, n = tokens.shape
-    device = tokens.device
-    depths, max_depth = _node_depths(parents)
-    rows = torch.arange(batch, device=device)
-    valid_node = tokens >= 0
-    safe_tokens = tokens.clamp(min=0)
-    # A token repeated among siblings gets no second chance: p(x) is already zeroed.
-    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)
-    same_token = tokens.unsqueeze(2) == tokens.unsqueeze(1)
-    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)
-    duplicate = (same_parent & same_token & earlier & valid_node.unsqueeze(1)).any(dim=2)
-    candidate = valid_node & ~duplicate
-
-    u = _uniforms((batch, max_depth + 1), generators, device, generator)
-    current = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1 = root
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    for level in range(max_depth):
-        p = target_probs[rows, current + 1]  # [B, V] distribution at the current node
-        children = candidate & (parents == current.unsqueeze(1)) & active.unsqueeze(1)
-        p_child = torch.where(children, p.gather(1, safe_tokens), 0.0)
-        cum = p_child.cumsum(dim=1)
-        hit = children & (p_child > 0) & (u[:, level : level + 1] < cum)
-        accepted_any = hit.any(dim=1)
-        first_hit = hit.int().argmax(dim=1)
-        current = torch.where(accepted_any, first_hit, current)
-        active = active & accepted_any
-    # Residual at the last accepted node: its distribution minus all (rejected) children.
-    p = target_probs[rows, current + 1].float()
-    children = candidate & (parents == current.unsqueeze(1))
-    rejected = torch.zeros_like(p).scatter_add_(1, safe_tokens, children.float())
-    residual = torch.where(rejected > 0, 0.0, p)
-    # Rounding can leave (almost) no mass when the children covered it: use p itself.
-    empty = residual.sum(dim=1, keepdim=True) <= 0
-    residual = torch.where(empty, p, residual)
-    noise = _exponentials(tuple(residual.shape), generators, device, generator)
-    final = (residual / noise).argmax(dim=1)  # a sample from residual / sum(residual)
-    return _result_from_leaf(tokens, parents, depths, max_depth, current, final)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    _, max_depth = _node_depths(parents)
+    u = _uniforms((tokens.shape[0], max_depth + 2), generators, tokens.device, generator)
+    return _walk(tokens, parents, lambda current: target_probs[rows, current + 1], uniforms=u)
 
 
 def apply_top_k_top_p(
@@ -273,18 +283,22 @@ def verify_tree(
     if sampled_rows.numel() == 0:
         return greedy
     row_of = {int(r): i for i, r in enumerate(sampled_rows.tolist())}
-    probs = target_probs(
-        target_logits[sampled_rows],
-        temperature[sampled_rows],
-        None if top_k is None else top_k[sampled_rows],
-        None if top_p is None else top_p[sampled_rows],
-    )
-    sampled = verify_sampling(
-        tokens[sampled_rows],
-        parents[sampled_rows],
-        probs,
-        generators={row_of[r]: g for r, g in (generators or {}).items() if r in row_of},
-    )
+    sub_logits = target_logits[sampled_rows]
+    sub_rows = torch.arange(sampled_rows.numel(), device=tokens.device)
+    sub_temperature = temperature[sampled_rows]
+    sub_top_k = None if top_k is None else top_k[sampled_rows]
+    sub_top_p = None if top_p is None else top_p[sampled_rows]
+
+    def probs_at(current: torch.Tensor) -> torch.Tensor:
+        # Only the rows the walk visits are turned into probabilities (<= depth + 1 of N + 1).
+        row = sub_logits[sub_rows, current + 1].unsqueeze(1)
+        return target_probs(row, sub_temperature, sub_top_k, sub_top_p).squeeze(1)
+
+    sub_tokens, sub_parents = tokens[sampled_rows], parents[sampled_rows]
+    _, max_depth = _node_depths(sub_parents)
+    gens = {row_of[r]: g for r, g in (generators or {}).items() if r in row_of}
+    u = _uniforms((sampled_rows.numel(), max_depth + 2), gens, tokens.device, None)
+    sampled = _walk(sub_tokens, sub_parents, probs_at, uniforms=u)
     merged = []
     for full, part in zip(
         (greedy.accepted_nodes, greedy.num_accepted, greedy.output_tokens),
