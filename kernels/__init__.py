@@ -1,5 +1,11 @@
 """Kernels of vllm_eagle2 (installed as the subpackage ``vllm_eagle2.kernels``)."""
 
+from .tree_attention import (
+    KV_LAYOUTS,
+    check_cpu_kv_layout,
+    kv_cache_views,
+    paged_tree_attention,
+)
 from .tree_mask import (
     HAS_TRITON,
     PAD_PARENT,
@@ -12,10 +18,14 @@ from .tree_mask import (
 
 __all__ = [
     "HAS_TRITON",
+    "KV_LAYOUTS",
     "PAD_PARENT",
     "ROOT_PARENT",
     "TreeMasks",
     "build_tree_masks",
+    "check_cpu_kv_layout",
+    "kv_cache_views",
     "pack_tree_mask",
+    "paged_tree_attention",
     "unpack_tree_mask",
 ]

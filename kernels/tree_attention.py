@@ -1,0 +1,698 @@
+"""Attention over vLLM's paged KV cache with a per-request "tree region" mask.
+
+Semantics, for ``R`` requests.  Request ``r`` has, in the paged cache,
+``C = context_lens[r]`` context tokens (storage positions ``0 .. C-1``),
+followed by a *region* of ``T = region_lens[r]`` tokens (storage positions
+``C .. C+T-1``; e.g. the draft-tree tokens being verified, or the draft
+"catch-up" tokens with a causal mask).  Its queries are the **last**
+``q_r = query_start_loc[r+1] - query_start_loc[r]`` tokens of the region
+(``q_r <= T``), concatenated over requests in ``query``.  Query ``i``
+(0-based within the request's queries) attends to
+
+* every context token (``s < C``), and
+* region token ``j`` (storage position ``C + j``) iff bit ``j % 32`` of word
+  ``j // 32`` of ``mask[r, i]`` is set (the packing of
+  :func:`vllm_eagle2.kernels.pack_tree_mask`; for a draft tree whose queries
+  are the last ``q`` of ``T`` tree tokens, use rows ``T-q .. T-1`` of
+  ``build_tree_masks(parents).packed``).
+
+Storage position ``s`` of request ``r`` lives in block
+``block_table[r, s // block_size]`` at offset ``s % block_size``.  GQA: query
+head ``h`` uses kv head ``h // (H // Hkv)``.  A query that sees no token at
+all (only possible with ``C == 0`` and an empty mask row) gets a zero output.
+
+The caches are ``[num_blocks, Hkv, block_size, D]`` tensors that may be
+arbitrarily strided views; :func:`kv_cache_views` makes such views of vLLM's
+CPU (``"cpu"``) and CUDA FlashAttention/Triton (``"flash"``) cache layouts
+without copying, and :func:`check_cpu_kv_layout` verifies the CPU layout
+against vLLM's own cache-write op.
+
+Two interchangeable backends:
+
+* ``"torch"``  -- batched pure torch (gathers each request's K/V through the
+  block table, float32 scores, masked softmax; no Python loop over requests
+  or tokens, only over chunks of kv heads to bound memory).  CPU path and
+  test oracle.  Also validates the index values (one host sync).
+* ``"triton"`` -- a flash-attention style Triton kernel with online softmax
+  in float32.  One program per (tile of ``BLOCK_Q`` query tokens of one
+  request, kv head); its rows are the ``BLOCK_Q x (H // Hkv)`` (query token,
+  query head) pairs, so K/V tiles are read once per tile and shared by the
+  query heads of the group.  Reads K/V through the caches' strides.  Needs
+  no host sync; does no value validation (out-of-range lengths cannot cause
+  out-of-bounds mask/block-table reads but give unspecified outputs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # Triton is optional: the torch backend works without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+__all__ = [
+    "KV_LAYOUTS",
+    "check_cpu_kv_layout",
+    "kv_cache_views",
+    "paged_tree_attention",
+]
+
+#: Layouts understood by :func:`kv_cache_views`.
+KV_LAYOUTS = ("cpu", "flash")
+
+_BITS = 32
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: float32 elements of the score tensor the torch backend materialises per kv-head chunk.
+_TORCH_SCORE_BUDGET = 1 << 26
+
+
+# --------------------------------------------------------------------------- #
+# KV-cache layouts
+# --------------------------------------------------------------------------- #
+
+
+def kv_cache_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views ``[num_blocks, Hkv, block_size, D]`` of a vLLM KV cache (no copy).
+
+    Args:
+        kv_cache: one layer's cache tensor.
+
+            * ``layout="cpu"`` (vLLM CPU_ATTN backend, ISAs ``"vec"`` /
+              ``"vec16"``): shape ``[num_blocks, Hkv, block_size, 2*D]``.  Per
+              (block, kv head) the contiguous ``block_size * 2D`` elements hold
+              first the keys stored transposed as ``[D, block_size]``
+              (element ``(d, t)`` at offset ``d * block_size + t``), then the
+              values as ``[block_size, D]`` (offset
+              ``block_size * D + t * D + d``).  The last two dims must be
+              contiguous; block and head strides are taken from the tensor.
+            * ``layout="flash"`` (vLLM CUDA FlashAttention / Triton attention
+              backends): shape ``[2, num_blocks, block_size, Hkv, D]``.
+
+        layout: ``"cpu"`` or ``"flash"``.
+
+    Returns:
+        ``(key_cache, value_cache)``, each ``[num_blocks, Hkv, block_size, D]``
+        sharing storage with ``kv_cache``.
+
+    Raises:
+        ValueError: unknown ``layout`` or ``kv_cache`` of the wrong shape /
+            strides for it.
+    """
+    if not isinstance(kv_cache, torch.Tensor):
+        raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if layout == "cpu":
+        if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 != 0:
+            raise ValueError(
+                f"kv_cache for layout 'cpu' must be [num_blocks, Hkv, block_size, 2*D], "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        nb, hkv, bs, d2 = kv_cache.shape
+        d = d2 // 2
+        if kv_cache.stride(3) != 1 or (bs > 1 and kv_cache.stride(2) != d2):
+            raise ValueError(
+                "kv_cache for layout 'cpu' must be contiguous in its last two dims, "
+                f"got strides {kv_cache.stride()}"
+            )
+        s0, s1 = kv_cache.stride(0), kv_cache.stride(1)
+        base = kv_cache.storage_offset()
+        key = torch.as_strided(kv_cache, (nb, hkv, bs, d), (s0, s1, 1, bs), base)
+        value = torch.as_strided(kv_cache, (nb, hkv, bs, d), (s0, s1, d, 1), base + bs * d)
+        return key, value
+    if layout == "flash":
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(
+                "kv_cache for layout 'flash' must be [2, num_blocks, block_size, Hkv, D], "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        return kv_cache[0].permute(0, 2, 1, 3), kv_cache[1].permute(0, 2, 1, 3)
+    raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+
+
+def check_cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> None:
+    """Verify that vLLM's CPU cache-write op uses the ``"cpu"`` layout of :func:`kv_cache_views`.
+
+    Writes a few random tokens with ``vllm._custom_ops.cpu_attn_reshape_and_cache``
+    (exactly as vLLM's CPU_ATTN backend does) into a small scratch cache
+    ``[2, 2, block_size, 2*head_size]`` and reads them back through the views.
+
+    Args:
+        isa: the CPU attention ISA vLLM selected (``"vec"``, ``"vec16"``, ...).
+        dtype: KV-cache dtype.
+        head_size: ``D``.
+        block_size: tokens per cache block.
+
+    Raises:
+        RuntimeError: vLLM is not importable, its op rejects the
+            configuration, or the data it wrote is not where the views expect
+            it (e.g. the ``"amx"`` layout).
+    """
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(f"check_cpu_kv_layout needs vLLM's custom ops: {exc}") from exc
+
+    what = f"isa={isa!r}, dtype={dtype}, head_size={head_size}, block_size={block_size}"
+    nb, hkv = 2, 2
+    ntok = min(nb * block_size, 2 * block_size + 3)
+    gen = torch.Generator().manual_seed(1234)
+    key = torch.randn(ntok, hkv, head_size, generator=gen).to(dtype)
+    val = torch.randn(ntok, hkv, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(nb * block_size, generator=gen)[:ntok].to(torch.int64)
+    kv = torch.zeros(nb, hkv, block_size, 2 * head_size, dtype=dtype)
+    k_cache, v_cache = kv.view(nb, hkv, block_size * 2, head_size).chunk(2, dim=2)
+    try:
+        ops.cpu_attn_reshape_and_cache(key, val, k_cache, v_cache, slots, isa)
+    except Exception as exc:
+        raise RuntimeError(f"vLLM's cpu_attn_reshape_and_cache failed for {what}: {exc}") from exc
+    k_view, v_view = kv_cache_views(kv, "cpu")
+    blk, off = slots // block_size, slots % block_size
+    if not (torch.equal(k_view[blk, :, off], key) and torch.equal(v_view[blk, :, off], val)):
+        raise RuntimeError(
+            f"vLLM's CPU KV-cache layout for {what} differs from the one paged_tree_attention "
+            "assumes (per block and kv head: keys transposed as [D, block_size], then values "
+            "as [block_size, D]); tree attention cannot read this cache"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+
+
+def _shape(x: object) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_int(name: str, x: object, shape: tuple[int, ...] | None, ndim: int) -> None:
+    ok = isinstance(x, torch.Tensor) and x.dim() == ndim and (shape is None or tuple(x.shape) == shape)
+    if not ok:
+        want = f"{list(shape)}" if shape is not None else f"{ndim}-D"
+        raise ValueError(f"{name} must be a {want} torch.Tensor, got {_shape(x)}")
+    if x.dtype not in _INT_DTYPES:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must have an integer dtype, got {x.dtype}")  # type: ignore[union-attr]
+
+
+def _check_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Shape/dtype checks (no device sync)."""
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError(f"query must be a 3-D [Q, H, D] torch.Tensor, got {_shape(query)}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
+    _, h, d = query.shape
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D [num_blocks, Hkv, block_size, D] tensor, got {_shape(c)}")
+        if c.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {c.dtype} differs from the query dtype {query.dtype}")
+        if c.device != query.device:
+            raise ValueError(f"{name} is on {c.device}, query on {query.device}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
+        )
+    hkv = key_cache.shape[1]
+    if key_cache.shape[3] != d:
+        raise ValueError(f"key_cache head size {key_cache.shape[3]} differs from the query's {d}")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"query heads {h} must be a multiple of the key_cache kv heads {hkv}")
+    if key_cache.shape[2] < 1:
+        raise ValueError("key_cache block_size must be >= 1")
+    _check_int("block_table", block_table, None, 2)
+    r = block_table.shape[0]
+    _check_int("query_start_loc", query_start_loc, (r + 1,), 1)
+    _check_int("context_lens", context_lens, (r,), 1)
+    _check_int("region_lens", region_lens, (r,), 1)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 3 or mask.shape[0] != r:
+        raise ValueError(f"mask must be a 3-D [{r}, max_q, W] torch.Tensor, got {_shape(mask)}")
+    if mask.dtype != torch.int32:
+        raise ValueError(f"mask must be int32 (packed bits), got {mask.dtype}")
+    for name, t in (
+        ("block_table", block_table),
+        ("query_start_loc", query_start_loc),
+        ("context_lens", context_lens),
+        ("region_lens", region_lens),
+        ("mask", mask),
+    ):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != query.shape:
+            raise ValueError(f"out must be a {list(query.shape)} torch.Tensor, got {_shape(out)}")
+        if out.dtype != query.dtype or out.device != query.device:
+            raise ValueError(f"out must have the query's dtype/device, got {out.dtype} on {out.device}")
+
+
+def _check_values(
+    q_total: int,
+    qsl: torch.Tensor,
+    ctx: torch.Tensor,
+    reg: torch.Tensor,
+    max_q: int,
+    n_words: int,
+    max_blocks: int,
+    block_size: int,
+) -> int:
+    """Value checks of the int64 index tensors (one host sync); returns max(C + T)."""
+    q_lens = qsl[1:] - qsl[:-1]
+    total = ctx + reg
+    zero = torch.zeros(1, dtype=torch.int64, device=qsl.device)
+    stats = torch.stack(
+        [
+            (qsl[0] != 0).to(torch.int64),
+            (qsl[-1] != q_total).to(torch.int64),
+            (torch.cat([q_lens, zero]) < 0).any().to(torch.int64),
+            (torch.cat([q_lens, zero]) > max_q).any().to(torch.int64),
+            (torch.cat([q_lens - reg, zero]) > 0).any().to(torch.int64),
+            (torch.cat([torch.minimum(ctx, reg), zero]) < 0).any().to(torch.int64),
+            torch.cat([reg, zero]).max(),
+            torch.cat([total, zero]).max(),
+        ]
+    ).tolist()
+    bad_first, bad_last, neg_q, big_q, q_gt_t, neg_len, max_t, max_s = stats
+    if bad_first or bad_last:
+        raise ValueError(f"query_start_loc must start at 0 and end at Q={q_total}")
+    if neg_q:
+        raise ValueError("query_start_loc must be non-decreasing")
+    if big_q:
+        raise ValueError(f"a request has more queries than mask rows (max_q={max_q})")
+    if q_gt_t:
+        raise ValueError("a request has more queries (query_start_loc) than region tokens (region_lens)")
+    if neg_len:
+        raise ValueError("context_lens and region_lens must be >= 0")
+    if max_t > _BITS * n_words:
+        raise ValueError(f"region_lens up to {max_t} do not fit in mask's {n_words} packed words")
+    if max_s > max_blocks * block_size:
+        raise ValueError(
+            f"context_lens + region_lens up to {max_s} exceed block_table capacity "
+            f"{max_blocks} x {block_size}"
+        )
+    return int(max_s)
+
+
+# --------------------------------------------------------------------------- #
+# Torch backend
+# --------------------------------------------------------------------------- #
+
+
+def _paged_tree_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Batched torch twin; writes ``out`` ``[Q, H, D]``."""
+    dev = query.device
+    q_total, h, d = query.shape
+    _, hkv, bs, _ = key_cache.shape
+    g = h // hkv
+    r, max_blocks = block_table.shape
+    _, max_q, n_words = mask.shape
+    qsl = query_start_loc.to(torch.int64)
+    ctx = context_lens.to(torch.int64)
+    reg = region_lens.to(torch.int64)
+    s_len = _check_values(q_total, qsl, ctx, reg, max_q, n_words, max_blocks, bs)
+    if q_total == 0:
+        return
+    if s_len == 0:
+        out.zero_()
+        return
+
+    # Request and row (within the request) of every query token.
+    tok = torch.arange(q_total, device=dev)
+    req = torch.searchsorted(qsl[1:], tok, right=True)
+    row = tok - qsl[req]
+
+    # Storage positions 0 .. S-1 of every request -> (block, offset).
+    pos = torch.arange(s_len, device=dev)
+    total = ctx + reg
+    in_seq = pos[None, :] < total[:, None]  # [R, S]
+    blk = block_table[:, pos // bs].to(torch.int64)
+    blk = torch.where(in_seq, blk, torch.zeros_like(blk))  # never touch entries past the sequence
+    off = (pos % bs)[None, :].expand(r, s_len)
+
+    # Visibility [R, max_q, S]: context, or the region bit of the query's mask row.
+    vis = (pos[None, :] < ctx[:, None])[:, None, :].expand(r, max_q, s_len)
+    if n_words > 0:
+        rel = pos[None, :] - ctx[:, None]  # [R, S]
+        in_reg = (rel >= 0) & in_seq
+        rel = torch.where(in_reg, rel, torch.zeros_like(rel))
+        words = torch.gather(mask, 2, (rel // _BITS)[:, None, :].expand(r, max_q, s_len))  # int32
+        bits = (words >> (rel % _BITS).to(torch.int32)[:, None, :]) & 1
+        vis = vis | (in_reg[:, None, :] & (bits != 0))
+
+    q_pad = torch.zeros(r, max_q, h, d, dtype=torch.float32, device=dev)
+    q_pad[req, row] = query.to(torch.float32)
+    q_pad = q_pad.view(r, max_q, hkv, g, d)
+    o_pad = torch.empty(r, max_q, hkv, g, d, dtype=torch.float32, device=dev)
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+    hide = ~vis[:, None, None]  # [R, 1, 1, max_q, S]
+
+    per_head = max(1, r * g * max_q * s_len)
+    chunk = max(1, min(hkv, _TORCH_SCORE_BUDGET // per_head))
+    for h0 in range(0, hkv, chunk):
+        h1 = min(hkv, h0 + chunk)
+        k = key_cache[:, h0:h1][blk, :, off].to(torch.float32)  # [R, S, hc, D]
+        v = value_cache[:, h0:h1][blk, :, off].to(torch.float32)
+        scores = torch.einsum("rqkgd,rskd->rkgqs", q_pad[:, :, h0:h1], k) * scale
+        scores = torch.where(hide, neg_inf, scores)
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully hidden rows
+        p = torch.exp(scores - m)
+        denom = p.sum(-1, keepdim=True)
+        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+        o_pad[:, :, h0:h1] = torch.einsum("rkgqs,rskd->rqkgd", p, v)
+    out.copy_(o_pad.view(r, max_q, h, d)[req, row])
+
+
+# --------------------------------------------------------------------------- #
+# Triton backend
+# --------------------------------------------------------------------------- #
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _paged_tree_attn_kernel(
+        q_ptr,  # [Q, H, D] strided
+        k_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        v_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        o_ptr,  # [Q, H, D] strided (output)
+        bt_ptr,  # [R, max_blocks] int32/int64 strided
+        qsl_ptr,  # [R + 1] int32 contiguous
+        ctx_ptr,  # [R] int32 contiguous
+        reg_ptr,  # [R] int32 contiguous
+        mask_ptr,  # [R, max_q, W] int32 strided
+        tile_req_ptr,  # [num_programs] int32: request of the tile, -1 = no tile
+        tile_row_ptr,  # [num_programs] int32: first query row (within the request)
+        qk_scale,  # scale * log2(e)
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_vd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_btr,
+        stride_btb,
+        stride_mr,
+        stride_mq,
+        stride_mw,
+        block_size,
+        max_blocks,
+        max_q,
+        W,
+        D,
+        G: tl.constexpr,  # query heads per kv head
+        BLOCK_Q: tl.constexpr,  # query tokens per program
+        BLOCK_G: tl.constexpr,  # next_power_of_2(G)
+        BLOCK_N: tl.constexpr,  # kv positions per inner iteration
+        BLOCK_D: tl.constexpr,  # >= D, power of 2, >= 16
+        DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
+        UPCAST: tl.constexpr,  # do both dots in float32 (the interpreter's bf16 tl.dot is wrong)
+    ):
+        """One program per (tile of BLOCK_Q query tokens of one request, kv head).
+
+        Row ``m`` of the program's ``[BLOCK_Q * BLOCK_G, BLOCK_D]`` query tile
+        is query token ``row0 + m // BLOCK_G`` of the request, query head
+        ``kvh * G + m % BLOCK_G``.  Loops over the request's storage
+        positions ``0 .. C+T-1`` in tiles of BLOCK_N with an online softmax
+        (base 2, float32).
+        """
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        req = tl.load(tile_req_ptr + pid)
+        if req < 0:
+            return
+        row0 = tl.load(tile_row_ptr + pid)
+        q_start = tl.load(qsl_ptr + req)
+        q_len = tl.load(qsl_ptr + req + 1) - q_start
+        ctx = tl.load(ctx_ptr + req)
+        kv_len = ctx + tl.load(reg_ptr + req)
+
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+        offs_m = tl.arange(0, BLOCK_M)
+        qrow = row0 + offs_m // BLOCK_G
+        grp = offs_m % BLOCK_G
+        row_ok = (qrow < q_len) & (grp < G)
+        mask_row_ok = row_ok & (qrow < max_q)
+        tok = (q_start + qrow).to(tl.int64)
+        head = kvh * G + grp
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        io_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=io_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        mask_rows = mask_ptr + req.to(tl.int64) * stride_mr + qrow.to(tl.int64) * stride_mq
+        bt_row = bt_ptr + req.to(tl.int64) * stride_btr
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(0, kv_len, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_len
+            bcol = offs_n // block_size
+            blk = tl.load(bt_row + bcol * stride_btb, mask=n_ok & (bcol < max_blocks), other=0)
+            blk = blk.to(tl.int64)
+            toff = offs_n % block_size
+            kt = tl.load(  # K^T tile [BLOCK_D, BLOCK_N]
+                k_base + blk[None, :] * stride_kb + toff[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+                mask=d_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+
+            rel = offs_n - ctx
+            in_reg = n_ok & (rel >= 0)
+            rel = tl.where(in_reg, rel, 0)
+            widx = rel // 32
+            words = tl.load(
+                mask_rows[:, None] + widx[None, :] * stride_mw,
+                mask=mask_row_ok[:, None] & (in_reg & (widx < W))[None, :],
+                other=0,
+            )
+            bits = (words >> (rel % 32)[None, :]) & 1
+            vis = (offs_n < ctx)[None, :] | (bits != 0)
+            s = tl.where(vis, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + toff[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        acc = acc / l_safe[:, None]
+        tl.store(
+            o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            acc.to(o_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+
+
+def _tile_metadata(
+    query_start_loc: torch.Tensor, q_total: int, block_q: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-program (request, first query row) of the query tiles, without a host sync.
+
+    Request ``r`` gets ``ceil(q_r / block_q)`` tiles; their number is at most
+    ``Q // block_q + R``, the grid size.  Unused programs get request -1.
+    """
+    r = query_start_loc.shape[0] - 1
+    dev = query_start_loc.device
+    qsl = query_start_loc.to(torch.int64)
+    n_tiles = (qsl[1:] - qsl[:-1] + block_q - 1) // block_q
+    tile_end = torch.cumsum(n_tiles, 0)
+    n_prog = q_total // block_q + r
+    p = torch.arange(n_prog, device=dev)
+    req = torch.searchsorted(tile_end, p, right=True)
+    req_c = req.clamp(max=r - 1)
+    row0 = (p - (tile_end - n_tiles)[req_c]) * block_q
+    tile_req = torch.where(req < r, req, torch.full_like(req, -1))
+    return tile_req.to(torch.int32), row0.to(torch.int32), n_prog
+
+
+def _paged_tree_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Launch the Triton kernel; writes ``out`` ``[Q, H, D]``.  ``block_q``/``block_n`` override tiling."""
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' requested but triton is not importable")
+    q_total, h, d = query.shape
+    _, hkv, bs, _ = key_cache.shape
+    g = h // hkv
+    r, max_blocks = block_table.shape
+    _, max_q, n_words = mask.shape
+    if q_total == 0 or r == 0:
+        return
+    block_g = triton.next_power_of_2(g)
+    if block_q is None:
+        # >= 16 rows for tl.dot; up to 64 rows, no more query tokens than any request has.
+        block_q = max(16 // block_g, min(triton.next_power_of_2(max(max_q, 1)), 64 // block_g), 1)
+    if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
+    block_d = max(16, triton.next_power_of_2(d))
+    if block_n is None:
+        block_n = 64 if block_d <= 64 else 32
+    # Triton's interpreter (CPU tests) computes bfloat16 tl.dot wrongly; on GPUs bf16 dots are fine.
+    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    tile_req, tile_row, n_prog = _tile_metadata(query_start_loc, q_total, block_q)
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    ctx = context_lens.to(torch.int32).contiguous()
+    reg = region_lens.to(torch.int32).contiguous()
+    _paged_tree_attn_kernel[(n_prog, hkv)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_table,
+        qsl,
+        ctx,
+        reg,
+        mask,
+        tile_req,
+        tile_row,
+        float(scale) * math.log2(math.e),
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *out.stride(),
+        *block_table.stride(),
+        *mask.stride(),
+        bs,
+        max_blocks,
+        max_q,
+        n_words,
+        d,
+        G=g,
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Public entry point
+# --------------------------------------------------------------------------- #
+
+
+def paged_tree_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of each request's last region tokens over its paged KV cache, tree-masked.
+
+    See the module docstring for the exact visibility rule.
+
+    Args:
+        query: ``[Q, H, D]`` float16/bfloat16/float32, requests concatenated
+            (any strides).
+        key_cache: ``[num_blocks, Hkv, block_size, D]``, same dtype, any
+            strides (see :func:`kv_cache_views`).
+        value_cache: ``[num_blocks, Hkv, block_size, D]``, same dtype/shape.
+        block_table: ``[R, max_blocks]`` int; block of storage position ``s``
+            of request ``r`` is ``block_table[r, s // block_size]``.  Entries
+            past a request's ``C + T`` positions are never read.
+        query_start_loc: ``[R + 1]`` int, cumulative query counts (starts at
+            0, ends at ``Q``).
+        context_lens: ``[R]`` int, ``C`` (fully visible tokens).
+        region_lens: ``[R]`` int, ``T`` (masked region tokens after the
+            context); ``q_r <= T``.
+        mask: ``[R, max_q, W]`` int32 packed bits, ``max_q >= q_r`` and
+            ``32 * W >= T``; bit ``j % 32`` of ``mask[r, i, j // 32]``:
+            query ``i`` of request ``r`` sees region token ``j``.  Rows
+            ``>= q_r`` and bits ``>= T`` are ignored.
+        scale: softmax scale (usually ``D ** -0.5``).
+        out: optional ``[Q, H, D]`` output (query's dtype/device, any strides).
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when the
+            query is on CUDA and Triton is importable, else torch).
+
+    Returns:
+        ``[Q, H, D]`` in the query's dtype (``out`` when given).
+
+    Raises:
+        ValueError: an argument has the wrong shape/dtype/device, unknown
+            ``backend``; (torch backend only) inconsistent lengths.
+    """
+    if backend == "auto":
+        backend = "triton" if (isinstance(query, torch.Tensor) and query.is_cuda and HAS_TRITON) else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    tensors = (query, key_cache, value_cache, block_table, query_start_loc, context_lens, region_lens, mask)
+    _check_args(*tensors, out)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    fn = _paged_tree_attention_torch if backend == "torch" else _paged_tree_attention_triton
+    fn(*tensors, scale, out)
+    return out

@@ -1,0 +1,546 @@
+"""Tests of paged tree attention (torch twin, Triton kernel) and the KV-cache layout views.
+
+The Triton kernel is run under the Triton interpreter on CPU tensors
+(``TRITON_INTERPRET=1`` must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_eagle2.kernels import (
+    HAS_TRITON,
+    build_tree_masks,
+    check_cpu_kv_layout,
+    kv_cache_views,
+    pack_tree_mask,
+    paged_tree_attention,
+)
+from vllm_eagle2.kernels.tree_attention import _paged_tree_attention_triton
+
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="triton (with TRITON_INTERPRET=1) not available",
+)
+
+BS = 16  # block size
+GARBAGE_BLOCK = 10**6  # block-table entries past a request's tokens (must never be read)
+
+
+# --------------------------------------------------------------------------- #
+# Test cases and a slow reference
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Case:
+    """Inputs of paged_tree_attention plus the logical K/V each request stores."""
+
+    query: torch.Tensor  # [Q, H, D]
+    key_cache: torch.Tensor  # [nb, Hkv, bs, D] view
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    query_start_loc: torch.Tensor  # [R + 1] int64
+    context_lens: torch.Tensor  # [R]
+    region_lens: torch.Tensor  # [R]
+    mask: torch.Tensor  # [R, max_q, W] int32
+    scale: float
+    keys: list[torch.Tensor]  # per request [C + T, Hkv, D]
+    values: list[torch.Tensor]
+
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.query_start_loc,
+            self.context_lens,
+            self.region_lens,
+            self.mask,
+            self.scale,
+        )
+
+
+#: (context C, region T, queries q, mask kind) per request.  Covers C = 0,
+#: q = 0, q = T, T > 32 (two mask words, bit 31), fully hidden rows ("padded"
+#: tree with C = 0) and the causal draft catch-up region.
+REQUESTS: list[tuple[int, int, int, str]] = [
+    (5, 7, 7, "tree"),
+    (37, 40, 12, "tree"),
+    (0, 9, 4, "causal"),
+    (20, 3, 1, "causal"),
+    (18, 6, 0, "tree"),
+    (0, 10, 10, "padded"),
+    (33, 33, 33, "causal"),
+]
+
+
+def random_parents(t: int, rng: random.Random, pad_prob: float = 0.0) -> list[int]:
+    """A valid parents row of length t (see kernels/tree_mask.py)."""
+    row: list[int] = []
+    real: list[int] = []
+    for i in range(t):
+        if pad_prob and rng.random() < pad_prob:
+            row.append(-2)
+            continue
+        row.append(rng.choice([-1, *real]))
+        real.append(i)
+    return row
+
+
+def region_mask(t: int, kind: str, rng: random.Random) -> torch.Tensor:
+    """Packed [T, ceil(T/32)] int32 mask rows of one request's region."""
+    if kind == "causal":
+        return pack_tree_mask(torch.ones(t, t, dtype=torch.bool).tril())
+    pad = 0.4 if kind == "padded" else 0.0
+    parents = torch.tensor([random_parents(t, rng, pad)], dtype=torch.int64)
+    return build_tree_masks(parents).packed[0]
+
+
+def write_cache(
+    layout: str,
+    nb: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    tokens: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """A kv_cache tensor of ``layout`` (garbage-filled) holding (block, offset, k [Hkv, D], v) tokens.
+
+    The "cpu" layout is written element by element from its definition (not
+    through the views under test) and lives at a non-zero storage offset.
+    """
+    g = torch.Generator().manual_seed(99)
+    if layout == "flash":
+        kv = torch.randn(2, nb, BS, hkv, d, generator=g).to(dtype)
+        for blk, off, k, v in tokens:
+            kv[0, blk, off] = k
+            kv[1, blk, off] = v
+        return kv
+    buf = torch.randn(nb * hkv * BS * 2 * d + 5, generator=g).to(dtype)
+    flat = buf[5:].view(nb, hkv, BS * 2 * d)
+    dd = torch.arange(d)
+    for blk, off, k, v in tokens:
+        for h in range(hkv):
+            flat[blk, h, dd * BS + off] = k[h]  # keys transposed [D, block_size]
+            flat[blk, h, BS * d + off * d + dd] = v[h]  # values [block_size, D]
+    kv = flat.view(nb, hkv, BS, 2 * d)
+    assert kv.storage_offset() == 5
+    return kv
+
+
+def make_case(
+    layout: str = "flash",
+    dtype: torch.dtype = torch.float32,
+    h: int = 4,
+    hkv: int = 2,
+    d: int = 16,
+    requests: list[tuple[int, int, int, str]] = REQUESTS,
+    seed: int = 0,
+) -> Case:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    r = len(requests)
+    n_blocks = [(c + t + BS - 1) // BS for c, t, _, _ in requests]
+    nb = sum(n_blocks) + 3
+    perm = torch.randperm(nb, generator=gen).tolist()
+    max_blocks = max(n_blocks) + 1
+    block_table = torch.full((r, max_blocks), GARBAGE_BLOCK, dtype=torch.int32)
+    keys, values, tokens = [], [], []
+    for i, (c, t, _, _) in enumerate(requests):
+        blocks = [perm.pop() for _ in range(n_blocks[i])]
+        block_table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(c + t, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(c + t, hkv, d, generator=gen).to(dtype)
+        keys.append(k)
+        values.append(v)
+        tokens += [(blocks[s // BS], s % BS, k[s], v[s]) for s in range(c + t)]
+    key_cache, value_cache = kv_cache_views(write_cache(layout, nb, hkv, d, dtype, tokens), layout)
+
+    max_q = max(q for _, _, q, _ in requests) + 1  # one spare padding row
+    n_words = max((t + 31) // 32 for _, t, _, _ in requests) + 1  # one spare word
+    # Garbage everywhere; then real rows with garbage only in the bits >= T.
+    mask = torch.randint(-(2**31), 2**31, (r, max_q, n_words), generator=gen, dtype=torch.int64)
+    mask = mask.to(torch.int32)
+    for i, (_, t, q, kind) in enumerate(requests):
+        rows = region_mask(t, kind, rng)[t - q :]  # queries are the last q region tokens
+        w = rows.shape[1]
+        high = torch.ones(32 * n_words, dtype=torch.bool)
+        high[:t] = False
+        mask[i, :q] &= pack_tree_mask(high)
+        mask[i, :q, :w] |= rows
+    q_lens = torch.tensor([q for _, _, q, _ in requests], dtype=torch.int64)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+    q_total = int(qsl[-1])
+    # A strided (non-contiguous) query, like a slice of a fused qkv projection.
+    query = torch.randn(q_total, h, d + 3, generator=gen).to(dtype)[:, :, :d]
+    return Case(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table,
+        query_start_loc=qsl,
+        context_lens=torch.tensor([c for c, _, _, _ in requests], dtype=torch.int32),
+        region_lens=torch.tensor([t for _, t, _, _ in requests], dtype=torch.int64),
+        mask=mask,
+        scale=d**-0.5,
+        keys=keys,
+        values=values,
+    )
+
+
+def reference(case: Case) -> torch.Tensor:
+    """Per request, per query, per head: explicit list of visible keys, float32 softmax."""
+    q_total, h, d = case.query.shape
+    hkv = case.key_cache.shape[1]
+    group = h // hkv
+    out = torch.zeros(q_total, h, d, dtype=torch.float32)
+    qsl = case.query_start_loc.tolist()
+    for r in range(len(case.keys)):
+        c, t = int(case.context_lens[r]), int(case.region_lens[r])
+        for i in range(qsl[r + 1] - qsl[r]):
+            words = [int(w) & 0xFFFFFFFF for w in case.mask[r, i]]
+            seen = [s for s in range(c + t) if s < c or (words[(s - c) // 32] >> ((s - c) % 32)) & 1]
+            if not seen:
+                continue  # nothing visible -> zero output
+            tok = qsl[r] + i
+            for head in range(h):
+                k = case.keys[r][seen, head // group].float()
+                v = case.values[r][seen, head // group].float()
+                p = torch.softmax(k @ case.query[tok, head].float() * case.scale, 0)
+                out[tok, head] = p @ v
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Torch backend vs. reference
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_matches_reference(layout: str, dtype: torch.dtype) -> None:
+    case = make_case(layout, dtype)
+    got = paged_tree_attention(*case.args(), backend="torch")
+    assert got.dtype == dtype and got.shape == case.query.shape
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), reference(case), atol=tol, rtol=tol)
+    # fully hidden rows (request 5 has C = 0 and padding slots) give exact zeros
+    assert (got == 0).all(-1).any()
+
+
+@pytest.mark.parametrize(("h", "hkv"), [(2, 2), (6, 2), (4, 1)])
+def test_torch_head_groupings(h: int, hkv: int) -> None:
+    case = make_case("cpu", h=h, hkv=hkv, requests=REQUESTS[:4], seed=3)
+    got = paged_tree_attention(*case.args(), backend="torch")
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_head_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny score budget forces one kv head per chunk; same result."""
+    import vllm_eagle2.kernels.tree_attention as ta
+
+    case = make_case("flash", h=6, hkv=3, requests=REQUESTS[:3], seed=4)
+    want = paged_tree_attention(*case.args(), backend="torch")
+    monkeypatch.setattr(ta, "_TORCH_SCORE_BUDGET", 1)
+    torch.testing.assert_close(paged_tree_attention(*case.args(), backend="torch"), want, atol=0, rtol=0)
+
+
+def test_out_argument_auto_backend_and_strided_out() -> None:
+    case = make_case("cpu", requests=REQUESTS[:3], seed=5)
+    want = reference(case)
+    buf = torch.full((case.query.shape[0], 4, 2 * case.query.shape[2]), float("nan"))
+    out = buf[:, :, ::2]  # non-contiguous
+    got = paged_tree_attention(*case.args(), out=out)  # auto -> torch on CPU
+    assert got is out
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_queries_and_no_tokens() -> None:
+    case = make_case("flash", requests=[(4, 3, 0, "tree"), (0, 2, 0, "causal")])
+    assert case.query.shape[0] == 0
+    assert paged_tree_attention(*case.args(), backend="torch").shape == (0, 4, 16)
+    # A single request whose only query sees nothing at all (C = 0, empty mask row).
+    case = make_case("flash", requests=[(0, 1, 1, "causal")])
+    case.mask.zero_()
+    got = paged_tree_attention(*case.args(), backend="torch")
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+# --------------------------------------------------------------------------- #
+# Triton backend vs. torch backend
+# --------------------------------------------------------------------------- #
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_triton_matches_torch(layout: str) -> None:
+    case = make_case(layout, seed=7)
+    want = paged_tree_attention(*case.args(), backend="torch")
+    got = paged_tree_attention(*case.args(), backend="triton")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, reference(case), atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("h", "hkv", "block_q", "block_n"),
+    [(4, 2, 8, 16), (6, 2, 4, 32), (2, 2, 16, 16), (4, 1, 4, 64)],
+)
+def test_triton_tilings_and_groups(h: int, hkv: int, block_q: int, block_n: int) -> None:
+    """Several query tiles per request, several kv tiles, non-power-of-2 groups."""
+    case = make_case("cpu", h=h, hkv=hkv, requests=REQUESTS[1:4], seed=8)
+    want = paged_tree_attention(*case.args(), backend="torch")
+    out = torch.full_like(want, float("nan"))
+    _paged_tree_attention_triton(*case.args(), out, block_q=block_q, block_n=block_n)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_triton_bfloat16_and_strided_out() -> None:
+    case = make_case("flash", dtype=torch.bfloat16, requests=REQUESTS[:4], seed=9)
+    want = reference(case)
+    out = torch.zeros(case.query.shape[0], 4, 2 * 16, dtype=torch.bfloat16)[:, :, 16:]
+    got = paged_tree_attention(*case.args(), out=out, backend="triton")
+    assert got is out
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+def test_triton_empty_query() -> None:
+    case = make_case("flash", requests=[(4, 3, 0, "tree")])
+    assert paged_tree_attention(*case.args(), backend="triton").shape == (0, 4, 16)
+
+
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_eagle2.kernels.tree_attention import _paged_tree_attn_kernel as kern
+
+io_ptrs = {"q_ptr", "k_ptr", "v_ptr", "o_ptr"}
+idx_ptrs = {"qsl_ptr", "ctx_ptr", "reg_ptr", "mask_ptr", "tile_req_ptr", "tile_row_ptr"}
+# (dtype, block table, dot precision, G, BLOCK_G, BLOCK_Q, BLOCK_N, BLOCK_D, unit-stride args)
+configs = [
+    ("fp32", "*i32", "ieee", 2, 2, 8, 64, 32, ("stride_qd", "stride_kt", "stride_vd", "stride_od")),
+    ("bf16", "*i64", "tf32", 4, 4, 16, 32, 128, ("stride_qd", "stride_kd", "stride_vd", "stride_od")),
+    ("fp16", "*i32", "tf32", 7, 8, 2, 64, 64, ("stride_kd", "stride_vd", "stride_btb", "stride_mw")),
+]
+for dt, bt, prec, g, bg, bq, bn, bd, unit in configs:
+    consts = dict(G=g, BLOCK_Q=bq, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=prec, UPCAST=False)
+    consts.update({n: 1 for n in unit})  # the launcher specialises arguments equal to 1
+    sig = {}
+    for n in kern.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in io_ptrs:
+            sig[n] = "*" + dt
+        elif n in idx_ptrs:
+            sig[n] = "*i32"
+        elif n == "bt_ptr":
+            sig[n] = bt
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    assert "ttgir" in k.asm and "llir" in k.asm, sorted(k.asm)
+print("COMPILED")
+"""
+
+
+@needs_triton
+def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
+    """The interpreter does not type-check loop-carried values; compile for
+    sm_90 (no GPU needed) in a fresh process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and "ptxas" in out:
+        pytest.skip(f"CUDA compile toolchain unavailable: {out[-300:]}")
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout, out[-3000:]
+
+
+# --------------------------------------------------------------------------- #
+# KV-cache layouts and vLLM's CPU cache-write op
+# --------------------------------------------------------------------------- #
+
+
+def test_kv_cache_views_share_storage() -> None:
+    kv = torch.arange(3 * 2 * 4 * 2 * 5, dtype=torch.float32).view(3, 2, 4, 10)
+    k, v = kv_cache_views(kv, "cpu")
+    assert k.shape == v.shape == (3, 2, 4, 5)
+    assert k.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
+    # key (d, t) at d * bs + t, value (t, d) at bs * D + t * D + d of each (block, head) chunk
+    flat = kv.view(3, 2, 40)
+    assert k[2, 1, 3, 4] == flat[2, 1, 4 * 4 + 3]
+    assert v[2, 1, 3, 4] == flat[2, 1, 20 + 3 * 5 + 4]
+    k[0, 0, 0, 0] = -1.0
+    assert flat[0, 0, 0] == -1.0
+
+    kv5 = torch.randn(2, 3, 4, 2, 5)
+    k, v = kv_cache_views(kv5, "flash")
+    assert k.shape == (3, 2, 4, 5) and torch.equal(k[1, 0, 2], kv5[0, 1, 2, 0])
+    assert torch.equal(v[2, 1, 3], kv5[1, 2, 3, 1]) and v.data_ptr() == kv5[1].data_ptr()
+
+
+def test_kv_cache_views_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        kv_cache_views(torch.zeros(1, 1, 1, 2), "paged")
+    with pytest.raises(ValueError, match="kv_cache"):
+        kv_cache_views(torch.zeros(1, 1, 1, 3), "cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        kv_cache_views(torch.zeros(1, 1, 4, 2).transpose(2, 3), "cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        kv_cache_views(torch.zeros(3, 1, 1, 1, 2), "flash")
+
+
+def _vllm_ops():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("vllm._custom_ops")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_cpu_cache_op_round_trip(dtype: torch.dtype) -> None:
+    """vLLM's own CPU cache write, read back through the "cpu" views; then attention on it."""
+    ops = _vllm_ops()
+    nb, hkv, d = 5, 2, 32
+    case = make_case("flash", dtype=dtype, d=d, requests=REQUESTS[:3], seed=11)  # logical K/V + masks
+    n_blocks = [(int(c) + int(t) + BS - 1) // BS for c, t in zip(case.context_lens, case.region_lens)]
+    nb = sum(n_blocks) + 2
+    bt = torch.full_like(case.block_table, GARBAGE_BLOCK)
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(1)).tolist()
+    slots = []
+    for r, n in enumerate(n_blocks):
+        blocks = [perm.pop() for _ in range(n)]
+        bt[r, :n] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[s // BS] * BS + s % BS for s in range(case.keys[r].shape[0])]
+    key, val = torch.cat(case.keys), torch.cat(case.values)  # [T, Hkv, D]
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+
+    kv = torch.zeros(nb, hkv, BS, 2 * d, dtype=dtype)
+    k_cache, v_cache = kv.view(nb, hkv, BS * 2, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, val, k_cache, v_cache, slot_t, "vec")
+    k_view, v_view = kv_cache_views(kv, "cpu")
+    blk, off = slot_t // BS, slot_t % BS
+    assert torch.equal(k_view[blk, :, off], key)
+    assert torch.equal(v_view[blk, :, off], val)
+
+    case.key_cache, case.value_cache, case.block_table = k_view, v_view, bt
+    got = paged_tree_attention(*case.args(), backend="torch")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), reference(case), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_cpu_kv_layout_passes(isa: str, dtype: torch.dtype) -> None:
+    _vllm_ops()
+    check_cpu_kv_layout(isa, dtype, 64, 16)
+    check_cpu_kv_layout(isa, dtype, 32, 32)
+
+
+def test_check_cpu_kv_layout_detects_other_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = _vllm_ops()
+
+    def untransposed(key, value, key_cache, value_cache, slots, isa, *args):  # type: ignore[no-untyped-def]
+        bs = key_cache.shape[2]
+        key_cache[slots // bs, :, slots % bs] = key  # keys NOT transposed
+        value_cache[slots // bs, :, slots % bs] = value
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", untransposed)
+    with pytest.raises(RuntimeError, match="layout"):
+        check_cpu_kv_layout("fake", torch.float32, 32, 16)
+
+    def failing(*args):  # type: ignore[no-untyped-def]
+        raise ValueError("unsupported isa")
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", failing)
+    with pytest.raises(RuntimeError, match="unsupported isa"):
+        check_cpu_kv_layout("fake", torch.float32, 32, 16)
+
+
+# --------------------------------------------------------------------------- #
+# Input validation
+# --------------------------------------------------------------------------- #
+
+
+def _replace(case: Case, **kw: object) -> tuple:
+    args = dict(
+        query=case.query,
+        key_cache=case.key_cache,
+        value_cache=case.value_cache,
+        block_table=case.block_table,
+        query_start_loc=case.query_start_loc,
+        context_lens=case.context_lens,
+        region_lens=case.region_lens,
+        mask=case.mask,
+        scale=case.scale,
+    )
+    args.update(kw)
+    return tuple(args.values())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+def test_invalid_arguments_raise(backend: str) -> None:
+    case = make_case("flash", requests=REQUESTS[:2])
+    q, kc = case.query, case.key_cache
+    bad: list[tuple[str, dict[str, object]]] = [
+        ("query", {"query": q[0]}),
+        ("query", {"query": q.to(torch.int32)}),
+        ("key_cache", {"key_cache": kc[0]}),
+        ("key_cache", {"key_cache": kc.double(), "value_cache": case.value_cache.double()}),
+        ("value_cache", {"value_cache": case.value_cache[:, :, :8]}),
+        ("heads", {"query": q[:, :3].contiguous()}),
+        ("block_table", {"block_table": case.block_table.float()}),
+        ("query_start_loc", {"query_start_loc": case.query_start_loc[:2]}),
+        ("context_lens", {"context_lens": case.context_lens[None]}),
+        ("region_lens", {"region_lens": [7, 40]}),
+        ("mask", {"mask": case.mask.to(torch.int64)}),
+        ("mask", {"mask": case.mask[:1]}),
+    ]
+    for name, kw in bad:
+        with pytest.raises(ValueError, match=name):
+            paged_tree_attention(*_replace(case, **kw), backend=backend)
+    with pytest.raises(ValueError, match="out"):
+        paged_tree_attention(*case.args(), out=torch.empty(1, 4, 16), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        paged_tree_attention(*case.args(), backend="cuda")
+
+
+def test_invalid_values_raise_on_torch_backend() -> None:
+    case = make_case("flash", requests=REQUESTS[:2])
+    qsl = case.query_start_loc
+    bad: list[tuple[str, dict[str, object]]] = [
+        ("end at Q", {"query_start_loc": qsl + 1}),
+        ("more queries than mask rows", {"mask": case.mask[:, :5]}),
+        ("more queries .* than region", {"region_lens": torch.tensor([7, 11])}),
+        ("packed words", {"region_lens": torch.tensor([7, 100])}),
+        (">= 0", {"context_lens": torch.tensor([-1, 37])}),
+        ("capacity", {"context_lens": torch.tensor([5, 200])}),
+    ]
+    for match, kw in bad:
+        with pytest.raises(ValueError, match=match):
+            paged_tree_attention(*_replace(case, **kw), backend="torch")

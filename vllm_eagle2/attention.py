@@ -1,0 +1,159 @@
+"""Tree attention inside vLLM's attention layers, through a per-forward side channel.
+
+vLLM's attention kernels know causal masks only. Every attention layer's implementation
+is wrapped once (:func:`wrap_attention_layers`): the stock kernel still writes the KV cache
+and computes all rows, then the rows of tree queries are recomputed by
+:func:`vllm_eagle2.kernels.paged_tree_attention` (Triton on CUDA, torch on CPU) with their
+per-request masks and written over the stock result. Which rows, and with which masks, is
+published for the next forward by :func:`set_tree_batch`: vLLM copies its attention
+metadata before the kernels see it, so extra fields would not survive that route.
+
+The wrapper also keeps the fresh K/V rows of a verification forward, so that the KV of
+accepted tree nodes can be moved into place afterwards with the backend's own writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_eagle2.kernels import check_cpu_kv_layout, kv_cache_views, paged_tree_attention
+
+
+@dataclass
+class TreeBatch:
+    """Tree queries of the next forward pass, R requests.
+
+    rows: [Q] int64, rows of the flattened batch that are tree queries, grouped by request.
+    query_start_loc: [R + 1] int64, cumulative query counts (queries are the LAST q_r
+        tokens of the request's region).
+    block_table: [R, max_blocks] int32, the requests' rows of the block table.
+    context_lens: [R] int64, tokens before the region (fully visible).
+    region_lens: [R] int64, tokens in the region (visible through ``mask``).
+    mask: [R, max_q, W] int32, packed visibility of region tokens per query.
+    keep_kv: keep this forward's fresh K/V per layer for :func:`move_kv`.
+    """
+
+    rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    region_lens: torch.Tensor
+    mask: torch.Tensor
+    keep_kv: bool = False
+
+
+_batch: TreeBatch | None = None
+_kept_kv: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+_checked_layouts: set[tuple[str, torch.dtype, int, int]] = set()
+
+
+def set_tree_batch(batch: TreeBatch | None) -> None:
+    """Publish the tree queries of the next forward(s); None = plain causal attention."""
+    global _batch
+    _batch = batch
+    _kept_kv.clear()
+
+
+def current_tree_batch() -> TreeBatch | None:
+    return _batch
+
+
+def _layout_of(impl: Any) -> str:
+    name = type(impl).__name__
+    if name.startswith("CPUAttention"):
+        return "cpu"
+    if name.startswith(("FlashAttention", "TritonAttention")):
+        return "flash"
+    raise RuntimeError(
+        f"eagle2 tree attention does not know the KV-cache layout of {name}; supported: "
+        "CPU_ATTN (CPU), FLASH_ATTN and TRITON_ATTN (CUDA)"
+    )
+
+
+def _tree_forward(
+    impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: TreeBatch
+) -> None:
+    layout = _layout_of(impl)
+    if layout == "cpu":
+        isa = getattr(layer, "isa", "vec")
+        key = (isa, kv_cache.dtype, kv_cache.shape[-1] // 2, kv_cache.shape[2])
+        if key not in _checked_layouts:  # the KV layout is read directly: prove we read it right
+            check_cpu_kv_layout(isa, kv_cache.dtype, key[2], key[3])
+            _checked_layouts.add(key)
+    key_cache, value_cache = kv_cache_views(kv_cache, layout)
+    num_heads = query.shape[1]
+    out = paged_tree_attention(
+        query[batch.rows],
+        key_cache,
+        value_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.region_lens,
+        batch.mask,
+        impl.scale,
+    )
+    output.view(output.shape[0], num_heads, -1)[batch.rows] = out.to(output.dtype)
+
+
+def wrap_attention_layers(layers: dict[str, Any]) -> None:
+    """Wrap ``forward`` and ``do_kv_cache_update`` of every attention layer's impl once."""
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if impl is None or getattr(impl, "_eagle2_wrapped", False) or not hasattr(impl, "forward"):
+            continue
+        _layout_of(impl)  # fail at start-up, not mid-request, on an unknown backend
+        stock_forward = impl.forward
+        stock_update = getattr(impl, "do_kv_cache_update", None)
+
+        def forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output=None,
+            *args,
+            _stock=stock_forward,
+            _impl=impl,
+            **kwargs,
+        ):
+            result = _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            batch = _batch
+            if batch is not None and attn_metadata is not None and batch.rows.numel():
+                _tree_forward(_impl, layer, query, kv_cache, result, batch)
+            return result
+
+        def do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, _stock=stock_update):
+            _stock(layer, key, value, kv_cache, slot_mapping)
+            if _batch is not None and _batch.keep_kv:
+                _kept_kv[id(layer)] = (layer, key, value)
+
+        impl.forward = forward
+        if stock_update is not None:
+            impl.do_kv_cache_update = do_kv_cache_update
+        impl._eagle2_wrapped = True
+
+
+def move_kv(
+    layer_names: set[str], layers: dict[str, Any], src_rows: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Rewrite the kept K/V rows ``src_rows`` [K] into cache slots ``dst_slots`` [K].
+
+    Only for the layers named (the target's); uses each backend's own cache writer, so
+    no layout knowledge is needed here.
+    """
+    if src_rows.numel() == 0:
+        return
+    for name in layer_names:
+        layer = layers[name]
+        kept = _kept_kv.get(id(layer))
+        if kept is None:
+            continue
+        _, key, value = kept
+        layer.impl.do_kv_cache_update(layer, key[src_rows], value[src_rows], layer.kv_cache, dst_slots)
+    _kept_kv.clear()

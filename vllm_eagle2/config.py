@@ -1,0 +1,169 @@
+"""The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
+
+Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m,
+"depth": 6, "topk": 10, "tree": "dynamic"}``. vLLM's own config class rejects unknown
+keys, so the plugin pops ``depth``, ``topk`` and ``tree`` here, validates everything that
+can be checked without weights, and hands the rest to vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_eagle2.tree import TREE_MODES, pool_size, tree_size
+
+#: The paper's defaults (7-8B targets): m = 60 verified nodes, 6 levels, top-10.
+DEFAULT_DEPTH = 6
+DEFAULT_TOPK = 10
+DEFAULT_NUM_TOKENS = 60
+DEFAULT_TREE = "dynamic"
+EXTRA_KEYS = ("depth", "topk", "tree")
+
+
+class Eagle2ConfigError(ValueError):
+    """An invalid eagle2 setting; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Eagle2Settings:
+    """Validated eagle2 settings.
+
+    num_tokens: tree nodes verified per step (the paper's m, vLLM's num_speculative_tokens).
+    depth: draft levels; topk: children per expanded node and frontier width.
+    tree: one of :data:`vllm_eagle2.tree.TREE_MODES`.
+    """
+
+    num_tokens: int = DEFAULT_NUM_TOKENS
+    depth: int = DEFAULT_DEPTH
+    topk: int = DEFAULT_TOPK
+    tree: str = DEFAULT_TREE
+
+    @property
+    def nodes_per_step(self) -> int:
+        """Draft tokens sent to the target per step (fewer than m in ``chain`` mode)."""
+        return tree_size(self.tree, self.depth, self.topk, self.num_tokens)
+
+    @property
+    def draft_kv_slots(self) -> int:
+        """KV slots the draft tree writes past a request's end (expanded frontier nodes)."""
+        width = 1 if self.tree == "chain" else self.topk
+        return (self.depth - 1) * width
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_speculative_tokens": self.num_tokens,
+            "depth": self.depth,
+            "topk": self.topk,
+            "tree": self.tree,
+        }
+
+
+def _int_field(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise Eagle2ConfigError(f"speculative_config.{name} must be {allowed}; got {value!r}")
+    return value
+
+
+def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
+    """Validate the eagle2 fields of a speculative_config dict (not modified)."""
+    tree = spec.get("tree", DEFAULT_TREE)
+    if tree not in TREE_MODES:
+        raise Eagle2ConfigError(
+            f"speculative_config.tree must be one of {', '.join(TREE_MODES)}; got {tree!r}"
+        )
+    depth = _int_field("depth", spec.get("depth", DEFAULT_DEPTH), 1, 64)
+    topk = _int_field("topk", spec.get("topk", DEFAULT_TOPK), 1, 64)
+    raw_m = spec.get("num_speculative_tokens")
+    num_tokens = _int_field("num_speculative_tokens", DEFAULT_NUM_TOKENS if raw_m is None else raw_m, 1)
+    if tree != "chain":
+        pool = pool_size(depth, topk)
+        if num_tokens > pool:
+            raise Eagle2ConfigError(
+                f"speculative_config.num_speculative_tokens must be in [1, {pool}] (the tree pool "
+                f"topk + (depth-1)*topk^2 for depth={depth}, topk={topk}); got {num_tokens}"
+            )
+    return Eagle2Settings(num_tokens=num_tokens, depth=depth, topk=topk, tree=tree)
+
+
+def _read_config_json(path: Path, what: str) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise Eagle2ConfigError(f"{what} has no config.json: {path}")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise Eagle2ConfigError(f"{what} config.json is not valid JSON ({exc}): {config_file}") from exc
+
+
+def check_head(head: Any, target_hidden_size: int | None, target_vocab_size: int | None) -> set[str]:
+    """Fail fast, before any weights load, on a head that cannot serve this target.
+
+    Returns the tensor names of the head's weight files.
+    """
+    if not head:
+        raise Eagle2ConfigError("speculative_config.model must name the EAGLE head folder; got nothing")
+    path = Path(str(head)).expanduser()
+    if not path.exists():
+        raise Eagle2ConfigError(f"speculative_config.model: head path does not exist: {head}")
+    if not path.is_dir():
+        raise Eagle2ConfigError(f"speculative_config.model must be a folder with config.json: {head}")
+    cfg = _read_config_json(path, "speculative_config.model")
+    hidden = cfg.get("hidden_size")
+    if target_hidden_size is not None and hidden is not None and hidden != target_hidden_size:
+        raise Eagle2ConfigError(
+            f"speculative_config.model: head hidden_size {hidden} does not match the target's "
+            f"{target_hidden_size}: {head}"
+        )
+    vocab = cfg.get("vocab_size")
+    if target_vocab_size is not None and vocab is not None and vocab != target_vocab_size:
+        raise Eagle2ConfigError(
+            f"speculative_config.model: head vocab_size {vocab} does not match the target's "
+            f"{target_vocab_size}: {head}"
+        )
+    return head_tensor_names(path)
+
+
+def head_tensor_names(path: Path) -> set[str]:
+    """Tensor names of a head's weight files; raises Eagle2ConfigError on missing or broken files.
+
+    Reads safetensors headers only (and checks each file is as long as its header says),
+    so a truncated or corrupt head fails here, before vLLM starts loading it.
+    """
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(path.glob("*.bin"))
+        if not bins:
+            raise Eagle2ConfigError(f"speculative_config.model: no *.safetensors or *.bin weights in {path}")
+        import torch
+
+        names: set[str] = set()
+        for file in bins:
+            try:
+                names.update(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+                raise Eagle2ConfigError(f"speculative_config.model: cannot read {file}: {exc}") from exc
+        return names
+    names = set()
+    for file in files:
+        names.update(_safetensors_names(file))
+    return names
+
+
+def _safetensors_names(file: Path) -> set[str]:
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length past the end of the file")
+            header = json.loads(handle.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end > size:
+            raise ValueError(f"file is truncated ({size} bytes, header says {8 + header_len + end})")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise Eagle2ConfigError(f"speculative_config.model: corrupt safetensors file {file}: {exc}") from exc
+    return {k for k in header if k != "__metadata__"}

@@ -1,0 +1,255 @@
+"""Every change eagle2 makes to vLLM internals, in one place, pinned to vLLM versions.
+
+Applied once per process by the ``vllm.general_plugins`` entry point (the API server,
+the engine core and every worker load it). On a vLLM outside :data:`SUPPORTED_VLLM`
+nothing is patched: the plugin logs why, and an eagle2 config fails with that message.
+
+What is patched (vLLM 0.32, file:function):
+* ``config/speculative.py`` SpeculativeConfig: ``method`` accepts "eagle2"; its
+  ``__post_init__`` builds the head's draft config exactly as for "eagle"; ``use_eagle``
+  is true for eagle2, which turns on draft KV layers and EAGLE's runner paths.
+* ``engine/arg_utils.py`` EngineArgs.create_speculative_config: pops and validates the
+  eagle2 keys (depth, topk, tree) and checks the head before any weights load.
+* ``config/vllm.py`` VllmConfig: eagle2 runs on the V1 model runner (listed as unsupported
+  by Model Runner V2), and reserves KV slots for the draft tree past each request.
+* ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
+  drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
+  masks after ``_prepare_inputs``; tree verification instead of the rejection sampler.
+* ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
+  by the "vec" layout, which the tree attention reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import typing
+from typing import Any
+
+from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_head, parse_settings
+
+logger = logging.getLogger("vllm_eagle2")
+
+#: vLLM releases this module was written against (CPU and CUDA builds).
+SUPPORTED_VLLM = ("0.32.",)
+_state: dict[str, Any] = {"applied": False, "error": None}
+
+
+def unsupported_reason(version: str) -> str | None:
+    if version.startswith(SUPPORTED_VLLM):
+        return None
+    return (
+        f"vllm-eagle2 supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} only; this is vLLM "
+        f"{version}. The eagle2 method is not registered."
+    )
+
+
+def apply() -> bool:
+    """Patch vLLM once; returns False (and logs why) on an unsupported vLLM. Never raises."""
+    if _state["applied"]:
+        return True
+    try:
+        import vllm
+    except ImportError:
+        _state["error"] = "vllm-eagle2 needs vLLM installed (pip install 'vllm-eagle2[cpu]' or '[cuda]')"
+        logger.error(_state["error"])
+        return False
+    reason = unsupported_reason(vllm.__version__)
+    if reason is not None:
+        _state["error"] = reason
+        logger.error(reason)
+        _guard_unsupported_version(reason)
+        return False
+    _patch_config()
+    _patch_runner()
+    _patch_cpu_attention()
+    _state["applied"] = True
+    return True
+
+
+def _guard_unsupported_version(reason: str) -> None:
+    """On an unsupported vLLM, an eagle2 config fails with the version message."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # noqa: BLE001 - an unknown vLLM layout: nothing to guard
+        return
+    original = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if isinstance(spec, dict) and spec.get("method") == "eagle2":
+            raise Eagle2ConfigError(reason)
+        return original(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def _literal_values(tp: Any) -> list[Any]:
+    values = []
+    for arg in typing.get_args(tp):
+        if typing.get_origin(arg) is typing.Literal:
+            values.extend(_literal_values(arg))
+        else:
+            values.append(arg)
+    return values
+
+
+def _patch_config() -> None:
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm import ModelRegistry
+    from vllm.config import SpeculativeConfig, VllmConfig
+    from vllm.config import speculative as speculative_module
+    from vllm.engine.arg_utils import EngineArgs
+
+    ModelRegistry.register_model("Eagle2LlamaForCausalLM", "vllm_eagle2.head:Eagle2LlamaForCausalLM")
+    methods = _literal_values(speculative_module.SpeculativeMethod)
+    if "eagle2" not in methods:
+        method_type = typing.Literal[tuple(methods) + ("eagle2",)] | None
+        SpeculativeConfig.__annotations__["method"] = method_type
+        SpeculativeConfig.__dataclass_fields__["method"].type = method_type
+        rebuild_dataclass(SpeculativeConfig, force=True)
+
+    post_init = SpeculativeConfig.__post_init__
+
+    def __post_init__(self) -> None:
+        if self.method != "eagle2":
+            return post_init(self)
+        # Build the head's draft config exactly as for EAGLE, then say what it is.
+        self.method = "eagle"
+        try:
+            post_init(self)
+        finally:
+            self.method = "eagle2"
+
+    SpeculativeConfig.__post_init__ = __post_init__
+    use_eagle = SpeculativeConfig.use_eagle
+    SpeculativeConfig.use_eagle = lambda self: self.method == "eagle2" or use_eagle(self)
+
+    create = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, *args, **kwargs):
+        spec = self.speculative_config
+        if not (isinstance(spec, dict) and spec.get("method") == "eagle2"):
+            return create(self, target_model_config, *args, **kwargs)
+        settings = parse_settings(spec)
+        head_names = check_head(
+            spec.get("model"), target_model_config.get_hidden_size(), target_model_config.get_vocab_size()
+        )
+        vllm_spec = {key: value for key, value in spec.items() if key not in EXTRA_KEYS}
+        vllm_spec["num_speculative_tokens"] = settings.nodes_per_step
+        self.speculative_config = vllm_spec
+        try:
+            config = create(self, target_model_config, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
+        config.eagle2 = settings  # not a pydantic field: survives pickling to workers
+        draft = config.draft_model_config
+        if draft is not None and draft.hf_config.architectures == ["EagleLlamaForCausalLM"]:
+            # Our head class: vLLM's, plus fc.bias of published EAGLE checkpoints.
+            draft.hf_config.eagle_fc_bias = "fc.bias" in head_names
+            draft.hf_config.architectures = ["Eagle2LlamaForCausalLM"]
+            config.update_arch_()
+        return config
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+    unsupported = VllmConfig._get_v2_model_runner_unsupported_features
+
+    def _get_v2_model_runner_unsupported_features(self):
+        features = list(unsupported(self))
+        spec = self.speculative_config
+        if spec is not None and spec.method == "eagle2":
+            features.append("speculative method 'eagle2'")
+        return features
+
+    VllmConfig._get_v2_model_runner_unsupported_features = _get_v2_model_runner_unsupported_features
+
+    lookahead = VllmConfig.num_lookahead_tokens
+
+    def num_lookahead_tokens(self) -> int:
+        slots = lookahead.fget(self)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "eagle2":
+            slots = max(slots, spec.eagle2.draft_kv_slots)
+        return slots
+
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+
+
+# -- model runner ---------------------------------------------------------------------------
+
+
+def _patch_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2 import runner as tree_runner
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    init = GPUModelRunner.__init__
+
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        init(self, vllm_config, device, *args, **kwargs)
+        spec = self.speculative_config
+        self._eagle2_step = None
+        self._eagle2_hidden_states = None
+        if spec is not None and spec.method == "eagle2":
+            _state["cpu_isa_vec"] = True
+            self.drafter = Eagle2Proposer(self.vllm_config, self.device, self)
+
+    def _is_eagle2(runner) -> bool:
+        return isinstance(getattr(runner, "drafter", None), Eagle2Proposer)
+
+    update_states = GPUModelRunner._update_states
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        if _is_eagle2(self) and scheduler_output.finished_req_ids:
+            self.drafter.forget(scheduler_output.finished_req_ids)
+        return update_states(self, scheduler_output, *args, **kwargs)
+
+    prepare_inputs = GPUModelRunner._prepare_inputs
+
+    def _prepare_inputs(self, *args, **kwargs):
+        out = prepare_inputs(self, *args, **kwargs)
+        if _is_eagle2(self):
+            tree_runner.prepare_tree_verification(self, out[1])
+        return out
+
+    sample = GPUModelRunner._sample
+
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
+            return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
+        return sample(self, logits, spec_decode_metadata)
+
+    sample_tokens = GPUModelRunner.sample_tokens
+
+    def _sample_tokens(self, *args, **kwargs):
+        state = getattr(self, "execute_model_state", None)
+        self._eagle2_hidden_states = getattr(state, "hidden_states", None) if _is_eagle2(self) else None
+        try:
+            return sample_tokens(self, *args, **kwargs)
+        finally:
+            self._eagle2_hidden_states = None
+
+    GPUModelRunner.__init__ = __init__
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner._sample = _sample
+    GPUModelRunner.sample_tokens = _sample_tokens
+
+
+def _patch_cpu_attention() -> None:
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except Exception:  # noqa: BLE001 - CUDA builds may lack the CPU backend
+        return
+    get_isa = cpu_attn._get_attn_isa
+
+    def _get_attn_isa(*args, **kwargs) -> str:
+        isa = get_isa(*args, **kwargs)
+        # The tree attention reads the cache directly; it knows the "vec" layouts.
+        return "vec" if isa == "amx" and _state.get("cpu_isa_vec") else isa
+
+    cpu_attn._get_attn_isa = _get_attn_isa

@@ -1,0 +1,289 @@
+"""The eagle2 drafter: vLLM's EAGLE head, grown into one dynamic tree per request.
+
+One step of drafting, for every request of the batch at once:
+
+1. catch-up: the head runs over the tokens the target just accepted, pairing target
+   hidden state i with token i + 1 (vLLM's own EAGLE first pass, reused as is). Its
+   output at the last accepted position gives the root's children (level 1).
+2. expansion: ``depth - 1`` passes of the head over the ``topk`` frontier nodes of every
+   request (``vllm_eagle2.tree.build_dynamic_tree`` chooses them). A frontier node at
+   level L sits at position ``root + L``; its draft KV is written past the request's end
+   (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
+   ancestors, through the tree side channel of :mod:`vllm_eagle2.attention`.
+3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts; the tree
+   (tokens and parents) is kept in :class:`TreeStore` for the verifier of the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.eagle import EagleProposer
+
+from vllm_eagle2 import attention
+from vllm_eagle2.config import Eagle2Settings
+from vllm_eagle2.kernels import pack_tree_mask
+from vllm_eagle2.tree import build_dynamic_tree
+
+_PAD_SLOT = -1
+
+
+def supports_tree_drafting(sampling_params: Any) -> bool:
+    """Whether the tree verifier reproduces this request's sampler exactly.
+
+    Penalties, logit processors and grammars look at the tokens before each position; the
+    tree verifier applies temperature, top-k and top-p only. Such requests are decoded
+    without drafts, which is lossless too.
+    """
+    sp = sampling_params
+    if sp is None:
+        return True
+    return (
+        sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and sp.min_p == 0.0
+        and sp.min_tokens == 0
+        and not sp.logit_bias
+        and not sp.allowed_token_ids
+        and not sp.bad_words
+        and sp.structured_outputs is None
+        and not getattr(sp, "logits_processors", None)
+    )
+
+
+@dataclasses.dataclass
+class TreeStore:
+    """The trees proposed last step, for the verifier of this step.
+
+    req_ids: request ids, in the batch order of the proposing step.
+    tokens / parents: [B, N] int64 (see :class:`vllm_eagle2.tree.DraftTree`).
+    """
+
+    req_ids: list[str]
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+
+class Eagle2Proposer(EagleProposer):
+    """vLLM's EagleProposer with the chain loop replaced by EAGLE-2 tree drafting.
+
+    A subclass, so every ``isinstance(drafter, EagleProposer)`` path of the runner stays on.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner  # vLLM's proposer does not keep it; we read the batch's request ids
+        self.settings: Eagle2Settings = vllm_config.speculative_config.eagle2
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.trees: TreeStore | None = None
+        self.target_attn_layer_names: set[str] = set()
+        self._eligible: dict[str, bool] = {}
+
+    # -- model ---------------------------------------------------------------------------
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        layers = self.vllm_config.compilation_config.static_forward_context
+        attn_layers = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+        attention.wrap_attention_layers(attn_layers)
+        self.target_attn_layer_names = set(attn_layers) - set(self._draft_attn_layer_names)
+
+    def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        # Profiling runs one pass per draft level, not one per verified node.
+        saved = self.num_speculative_tokens
+        self.num_speculative_tokens = min(saved, self.settings.depth)
+        try:
+            super().dummy_run(num_tokens, *args, **kwargs)
+        finally:
+            self.num_speculative_tokens = saved
+
+    # -- drafting --------------------------------------------------------------------------
+    def _eligible_rows(self, req_ids: list[str]) -> torch.Tensor:
+        """[B] bool: requests whose sampling the tree verifier reproduces exactly."""
+        requests = getattr(self.runner, "requests", {})
+        for rid in req_ids:
+            if rid not in self._eligible:
+                state = requests.get(rid)
+                self._eligible[rid] = supports_tree_drafting(getattr(state, "sampling_params", None))
+        return torch.tensor([self._eligible[rid] for rid in req_ids], dtype=torch.bool)
+
+    def forget(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self._eligible.pop(rid, None)
+
+    def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: Any,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """Draft one tree per request; returns each request's draft tokens (parents first)."""
+        attention.set_tree_batch(None)
+        cad = common_attn_metadata
+        batch = cad.batch_size()
+        num_tokens, sample_idx, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
+        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
+        if num_speculative_tokens == 0:
+            self.trees = None
+            return [[] for _ in range(batch)]
+
+        root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
+        root_logprobs = self.model.compute_logits(last_hidden[sample_idx]).float().log_softmax(-1)
+        expander = _TreeExpander(self, cad, root_pos, hidden[sample_idx])
+        tree = build_dynamic_tree(
+            root_logprobs,
+            expander,
+            depth=self.settings.depth,
+            topk=self.settings.topk,
+            num_tokens=self.settings.num_tokens,
+            mode=self.settings.tree,
+        )
+        attention.set_tree_batch(None)
+        self.trees = TreeStore(req_ids=req_ids, tokens=tree.tokens, parents=tree.parents)
+
+        # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
+        n_out = min(num_speculative_tokens, tree.num_nodes)
+        ok = expander.fits.cpu()
+        if req_ids:
+            ok &= self._eligible_rows(req_ids)
+        drafts = tree.tokens[:, :n_out].tolist()
+        return [row if keep else [] for row, keep in zip(drafts, ok.tolist())]
+
+    def _run_head(
+        self,
+        cad: Any,
+        num_tokens: int,
+        *,
+        first_pass: bool,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over ``num_tokens`` rows with ``cad``'s attention metadata."""
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
+        if first_pass:
+            model_kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+        else:
+            model_kwargs = {"input_ids": input_ids, "positions": positions, "hidden_states": hidden_states}
+            slot_size = num_tokens
+        with set_forward_context(
+            per_layer,
+            self.vllm_config,
+            num_tokens=num_tokens,
+            slot_mapping=self._get_slot_mapping(slot_size, cad.slot_mapping),
+        ):
+            out = self.model(**model_kwargs)
+        if not self.model_returns_tuple():
+            return out, out
+        return out
+
+
+class _TreeExpander:
+    """The ``draft_step`` of :func:`build_dynamic_tree`: one head pass per tree level."""
+
+    def __init__(
+        self, proposer: Eagle2Proposer, cad: Any, root_pos: torch.Tensor, root_hidden: torch.Tensor
+    ) -> None:
+        self.p = proposer
+        self.cad = cad
+        self.root_pos = root_pos  # [B]
+        width = 1 if proposer.settings.tree == "chain" else proposer.settings.topk
+        self.region_capacity = (proposer.settings.depth - 1) * width
+        # Draft KV of the tree goes right past the request's end. A request too close to
+        # max_model_len gets no drafts: its writes are dropped (padding slots) and its
+        # reads kept inside the block table.
+        end = root_pos + 1
+        self.fits = end + self.region_capacity <= proposer.max_model_len  # [B]
+        self.start = torch.minimum(end, torch.full_like(end, proposer.max_model_len - self.region_capacity))
+        self.parent_hidden = root_hidden.unsqueeze(1)  # [B, 1 or K, H]
+        self.visible: torch.Tensor | None = None  # [B, K, region] ancestor-or-self, region slots
+        self.block_table = cad.block_table_tensor[: root_pos.shape[0]]
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots [B, K] of storage positions [B, K]; requests that do not fit: padding."""
+        bs = self.p.block_size
+        block = self.block_table.gather(1, positions // bs).long()
+        return torch.where(self.fits.unsqueeze(1), block * bs + positions % bs, _PAD_SLOT)
+
+    def __call__(self, tokens: torch.Tensor, prev_slots: torch.Tensor, level: int) -> torch.Tensor:
+        batch, k = tokens.shape
+        device = tokens.device
+        # Hidden state fed with each node: its parent's head output.
+        if level == 2:
+            parent_hidden = self.parent_hidden.expand(batch, k, -1).contiguous()
+        else:
+            hidden_size = self.parent_hidden.shape[-1]
+            parent_hidden = self.parent_hidden.gather(1, prev_slots.unsqueeze(-1).expand(-1, -1, hidden_size))
+        # Region slot of this level's nodes, and what each of them may see.
+        region_len = (level - 1) * k
+        own = (level - 2) * k + torch.arange(k, device=device)
+        visible = torch.zeros(batch, k, region_len, dtype=torch.bool, device=device)
+        if self.visible is not None:
+            visible[:, :, : region_len - k] = self.visible.gather(
+                1, prev_slots.unsqueeze(-1).expand(-1, -1, self.visible.shape[-1])
+            )
+        visible[:, torch.arange(k, device=device), own] = True
+        self.visible = visible
+
+        storage = self.start.unsqueeze(1) + own.unsqueeze(0)  # [B, K]
+        # Materialised: vLLM's CPU kernels index these flat, a stride-0 view would be misread.
+        positions = (self.root_pos + level - 1).repeat_interleave(k).view(batch, k)
+        num_tokens = batch * k
+        qsl = torch.arange(0, num_tokens + 1, k, dtype=torch.int32, device=device)
+        seq_lens = (self.start + region_len).to(torch.int32)
+        cad = dataclasses.replace(
+            self.cad,
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.cpu(),
+            seq_lens=seq_lens,
+            num_reqs=batch,
+            num_actual_tokens=num_tokens,
+            max_query_len=k,
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=self.block_table,
+            slot_mapping=self._slots(storage).flatten(),
+            positions=positions.flatten(),
+            seq_lens_cpu_upper_bound=seq_lens.cpu(),
+            is_prefilling=None,
+        )
+        attention.set_tree_batch(
+            attention.TreeBatch(
+                rows=torch.arange(num_tokens, device=device),
+                query_start_loc=qsl.long(),
+                block_table=self.block_table,
+                context_lens=self.start,
+                region_lens=torch.full_like(self.start, region_len),
+                mask=pack_tree_mask(visible),
+            )
+        )
+        last_hidden, hidden = self.p._run_head(
+            cad,
+            num_tokens,
+            first_pass=False,
+            input_ids=tokens.flatten(),
+            positions=positions.flatten(),
+            hidden_states=parent_hidden.flatten(0, 1),
+        )
+        self.parent_hidden = hidden.view(batch, k, -1)
+        logits = self.p.model.compute_logits(last_hidden)
+        return logits.float().log_softmax(-1).view(batch, k, -1)

@@ -1,0 +1,196 @@
+"""Tree verification inside vLLM's V1 model runner (called from :mod:`vllm_eagle2.patches`).
+
+Per step, for the requests that carry drafts:
+
+* :func:`prepare_tree_verification` (after ``_prepare_inputs``): recover each request's
+  tree from the drafter's :class:`~vllm_eagle2.proposer.TreeStore` (drafts without a
+  matching tree, e.g. scheduler padding, are verified as a chain), give every node the
+  RoPE position ``root + depth`` (its KV slot stays ``root + 1 + index``), and publish
+  the per-request ancestor masks for the target forward.
+* :func:`sample_with_trees` (instead of the rejection sampler): verify every tree
+  (greedy or sampled, per request), move the accepted nodes' target KV to the slots
+  right after the root, and reorder the rows of hidden states, input ids and positions
+  the same way, so that vLLM's scheduler and its EAGLE catch-up pass see an ordinary
+  accepted chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+
+from vllm_eagle2 import attention
+from vllm_eagle2.kernels import build_tree_masks
+from vllm_eagle2.verify import verify_tree
+
+_PAD_PARENT = -2
+
+
+@dataclass
+class VerifyStep:
+    """The trees of this step's verification, B = requests in the batch.
+
+    tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
+    num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_drafts: torch.Tensor
+    row_start: torch.Tensor
+
+
+def _padded_drafts(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scheduled draft tokens [B, N] (-1 padded), valid mask [B, N], counts [B]."""
+    n = torch.tensor(meta.num_draft_tokens, dtype=torch.long, device=device)
+    width = max(int(n.max()), 1)
+    col = torch.arange(width, device=device)
+    valid = col < n.unsqueeze(1)
+    first = meta.cu_num_draft_tokens.to(device).long() - n
+    flat = meta.draft_token_ids.to(device).long()
+    idx = (first.unsqueeze(1) + col).clamp(max=max(flat.numel() - 1, 0))
+    tokens = torch.where(valid, flat[idx] if flat.numel() else -1, -1)
+    return tokens, valid, n
+
+
+def _stored_parents(
+    drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Parents [B, N] of each request's drafts: its stored tree, else a chain."""
+    batch, width = tokens.shape
+    col = torch.arange(width, device=tokens.device)
+    parents = (col - 1).expand(batch, width).clone()
+    store = getattr(drafter, "trees", None)
+    if store is None or not req_ids:
+        return torch.where(valid, parents, -1)
+    row_of = {rid: i for i, rid in enumerate(store.req_ids)}
+    src = torch.tensor([row_of.get(rid, -1) for rid in req_ids], dtype=torch.long, device=tokens.device)
+    stored_width = store.tokens.shape[1]
+    take = min(width, stored_width)
+    st_tokens = torch.full_like(tokens, -1)
+    st_parents = parents.clone()
+    st_tokens[:, :take] = store.tokens[src.clamp(min=0), :take]
+    st_parents[:, :take] = store.parents[src.clamp(min=0), :take]
+    # A prefix of a parents-first tree is a tree: the scheduler may have cut it short.
+    same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= stored_width)
+    parents = torch.where(same.unsqueeze(1), st_parents, parents)
+    return torch.where(valid, parents, -1)
+
+
+def prepare_tree_verification(runner: Any, meta: Any) -> None:
+    """Positions and attention masks for the trees of this step (after ``_prepare_inputs``)."""
+    runner._eagle2_step = None
+    attention.set_tree_batch(None)
+    if meta is None or max(meta.num_draft_tokens, default=0) == 0:
+        return
+    device = runner.positions.device
+    batch = len(meta.num_draft_tokens)
+    tokens, valid, n = _padded_drafts(meta, device)
+    parents = _stored_parents(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid)
+    row_start = runner.query_start_loc.gpu[:batch].to(device).long()
+    root_pos = runner.positions[row_start]
+
+    # The region of each request is [root, nodes...]: root = region index 0.
+    region_parents = torch.cat(
+        [
+            torch.full((batch, 1), -1, dtype=torch.long, device=device),
+            torch.where(valid, parents + 1, _PAD_PARENT),
+        ],
+        dim=1,
+    )
+    masks = build_tree_masks(region_parents)
+    node_rows = row_start.unsqueeze(1) + 1 + torch.arange(tokens.shape[1], device=device)
+    runner.positions[node_rows[valid]] = (root_pos.unsqueeze(1) + masks.depths[:, 1:] - 1)[valid]
+
+    spec = (n > 0).nonzero().squeeze(1)  # only requests with drafts take the tree path
+    q = n[spec] + 1
+    qsl = torch.zeros(spec.numel() + 1, dtype=torch.long, device=device)
+    qsl[1:] = q.cumsum(0)
+    rows = torch.repeat_interleave(row_start[spec], q) + (
+        torch.arange(int(qsl[-1]), device=device) - torch.repeat_interleave(qsl[:-1], q)
+    )
+    block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
+    attention.set_tree_batch(
+        attention.TreeBatch(
+            rows=rows,
+            query_start_loc=qsl,
+            block_table=block_table[spec],
+            context_lens=root_pos[spec],
+            region_lens=q,
+            mask=masks.packed[spec],
+            keep_kv=True,
+        )
+    )
+    runner._eagle2_step = VerifyStep(tokens=tokens, parents=parents, num_drafts=n, row_start=row_start)
+
+
+def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
+    """Verify this step's trees; returns vLLM's SamplerOutput ([B, N + 1] int32, -1 padded)."""
+    step: VerifyStep = runner._eagle2_step
+    runner._eagle2_step = None
+    sampling = runner.input_batch.sampling_metadata
+    device = logits.device
+    batch, width = step.tokens.shape
+    n = step.num_drafts
+    # Logits rows of request r: [root, node 0, ..., node n_r - 1], ending at cu_num_sampled[r].
+    first_row = meta.cu_num_sampled_tokens.to(device).long() - (n + 1)
+    col = torch.arange(width + 1, device=device)
+    row_idx = first_row.unsqueeze(1) + torch.minimum(col.unsqueeze(0), n.unsqueeze(1))
+    target_logits = logits[row_idx]  # [B, N + 1, V]
+    result = verify_tree(
+        step.tokens,
+        step.parents,
+        target_logits,
+        temperature=None if sampling.all_greedy else sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        generators=sampling.generators,
+    )
+    out_tokens = result.output_tokens
+    out_width = out_tokens.shape[1]
+    logprobs = None
+    if sampling.max_num_logprobs is not None:
+        # Output token j is the target's choice after path node j - 1 (the root for j = 0).
+        path_rows = torch.cat(
+            [torch.zeros(batch, 1, dtype=torch.long, device=device), result.accepted_nodes.clamp(min=-1) + 1],
+            dim=1,
+        )[:, :out_width]
+        rows = logits[first_row.unsqueeze(1) + path_rows.clamp(min=0)].flatten(0, 1)
+        logprobs = runner.sampler.gather_logprobs(
+            runner.sampler.compute_logprobs(rows),
+            sampling.max_num_logprobs,
+            token_ids=out_tokens.flatten().clamp(min=0),
+        )
+        logprobs = LogprobsTensors(*logprobs[:3])
+    _move_accepted_path(runner, step, result.accepted_nodes, result.num_accepted)
+    attention.set_tree_batch(None)
+    return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
+
+
+def _move_accepted_path(
+    runner: Any, step: VerifyStep, accepted: torch.Tensor, num_accepted: torch.Tensor
+) -> None:
+    """Make rows (and KV slots) root + 1 .. root + k hold the accepted path, in order."""
+    if accepted.numel() == 0:
+        return
+    k = torch.arange(accepted.shape[1], device=accepted.device)
+    on_path = k.unsqueeze(0) < num_accepted.unsqueeze(1)
+    src = (step.row_start.unsqueeze(1) + 1 + accepted)[on_path]
+    dst = (step.row_start.unsqueeze(1) + 1 + k)[on_path]
+    moved = src != dst
+    src, dst = src[moved], dst[moved]
+    if src.numel() == 0:
+        return
+    slots = runner.input_batch.block_table[0].slot_mapping.gpu
+    drafter = runner.drafter
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    attention.move_kv(drafter.target_attn_layer_names, layers, src, slots[dst].long())
+    # The catch-up pass of the drafter reads these rows as the accepted chain.
+    hidden = runner._eagle2_hidden_states
+    if hidden is not None:
+        hidden[dst] = hidden[src]
+    runner.input_ids.gpu[dst] = runner.input_ids.gpu[src]
+    runner.positions[dst] = runner.positions[src]
