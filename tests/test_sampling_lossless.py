@@ -1,0 +1,83 @@
+"""eagle2 sampling inside vLLM is lossless: same token distribution as without speculation.
+
+Many seeded samples of a short continuation of one prompt, at temperature 1, from the
+engine without speculation and from eagle2 with a partly-right head. For every output
+position that speculation decides (2 and later; position 1 comes from the prefill), the two
+samples' token counts are compared with a chi-square test of homogeneity. A deliberately
+biased verifier (the right algorithm run on a wrongly tempered target distribution) must
+fail the same test, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_llm
+from scipy.stats import chi2_contingency
+
+from vllm_eagle2.tiny_models import build_pair
+
+NUM_SAMPLES = 400
+MAX_TOKENS = 4
+PROMPT = {"prompt_token_ids": [17, 250, 99, 31, 402, 77, 8, 190]}
+SPEC = dict(num_speculative_tokens=12, depth=4, topk=3)
+
+
+def sampling_params():
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1000 + i)
+        for i in range(NUM_SAMPLES)
+    ]
+
+
+def sample(target, spec) -> np.ndarray:
+    outputs, _ = run_llm(target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32)
+    return np.array([list(o.outputs[0].token_ids) for o in outputs])
+
+
+def homogeneity_pvalue(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float:
+    """Chi-square p-value that two samples of tokens share one distribution (rare tokens pooled)."""
+    tokens, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+    common = tokens[counts >= min_count]
+    table = [[int((x == t).sum()) for t in common] + [int((~np.isin(x, common)).sum())] for x in (a, b)]
+    table = np.array(table)
+    table = table[:, table.sum(0) > 0]
+    return float(chi2_contingency(table).pvalue)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("sampling_models"), "partial", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> np.ndarray:
+    return sample(pair[0], None)
+
+
+def test_sampled_tokens_follow_the_target_distribution(pair, reference):
+    target, head = pair
+    spec_samples = sample(target, {"method": "eagle2", "model": str(head), **SPEC})
+    pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
+    # In-process engine so that the worker sees the patched verifier.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_eagle2 import runner
+
+    exact = runner.verify_tree
+
+    def sharpened(*args, temperature=None, **kwargs):
+        wrong = None if temperature is None else torch.where(temperature > 0, temperature * 0.6, temperature)
+        return exact(*args, temperature=wrong, **kwargs)
+
+    monkeypatch.setattr(runner, "verify_tree", sharpened)
+    target, head = pair
+    biased = sample(target, {"method": "eagle2", "model": str(head), **SPEC})
+    pvalues = [homogeneity_pvalue(reference[:, j], biased[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) < 1e-4, pvalues
