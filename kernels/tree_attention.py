@@ -95,8 +95,9 @@ def kv_cache_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, t
               values as ``[block_size, D]`` (offset
               ``block_size * D + t * D + d``).  The last two dims must be
               contiguous; block and head strides are taken from the tensor.
-            * ``layout="flash"`` (vLLM CUDA FlashAttention / Triton attention
-              backends): shape ``[2, num_blocks, block_size, Hkv, D]``.
+            * ``layout="flash"`` (vLLM 0.32 CUDA FlashAttention / Triton attention
+              backends, "LBHNC"): shape ``[num_blocks, Hkv, block_size, 2*D]`` with
+              each token's key in ``[..., :D]`` and its value in ``[..., D:]``.
 
         layout: ``"cpu"`` or ``"flash"``.
 
@@ -129,12 +130,13 @@ def kv_cache_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, t
         value = torch.as_strided(kv_cache, (nb, hkv, bs, d), (s0, s1, d, 1), base + bs * d)
         return key, value
     if layout == "flash":
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 != 0:
             raise ValueError(
-                "kv_cache for layout 'flash' must be [2, num_blocks, block_size, Hkv, D], "
+                "kv_cache for layout 'flash' must be [num_blocks, Hkv, block_size, 2*D], "
                 f"got shape {tuple(kv_cache.shape)}"
             )
-        return kv_cache[0].permute(0, 2, 1, 3), kv_cache[1].permute(0, 2, 1, 3)
+        d = kv_cache.shape[3] // 2
+        return kv_cache[..., :d], kv_cache[..., d:]
     raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
 
 

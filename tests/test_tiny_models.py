@@ -162,7 +162,6 @@ def _run_llm(target: Path, head: Path | None) -> tuple[list[list[int]], dict[str
 def vllm_runs(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, tuple[list[list[int]], dict[str, float]]]:
-    pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("vllm_models")
     random_target = build_target(root / "target-random", kind="random", seed=0)
     # an oracle-style head on a random target: right only part of the time -> accept and reject paths

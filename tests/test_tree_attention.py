@@ -28,10 +28,9 @@ from vllm_eagle2.kernels import (
 )
 from vllm_eagle2.kernels.tree_attention import _paged_tree_attention_triton
 
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="triton (with TRITON_INTERPRET=1) not available",
-)
+# Triton is part of the test install (vLLM pulls it in): missing, these tests must fail, not skip.
+assert HAS_TRITON, "triton is not installed: pip install -e '.[cpu,test]'"
+assert os.environ.get("TRITON_INTERPRET") == "1", "TRITON_INTERPRET=1 must be set before triton is imported"
 
 BS = 16  # block size
 GARBAGE_BLOCK = 10**6  # block-table entries past a request's tokens (must never be read)
@@ -123,10 +122,10 @@ def write_cache(
     """
     g = torch.Generator().manual_seed(99)
     if layout == "flash":
-        kv = torch.randn(2, nb, BS, hkv, d, generator=g).to(dtype)
+        kv = torch.randn(nb, hkv, BS, 2 * d, generator=g).to(dtype)
         for blk, off, k, v in tokens:
-            kv[0, blk, off] = k
-            kv[1, blk, off] = v
+            kv[blk, :, off, :d] = k
+            kv[blk, :, off, d:] = v
         return kv
     buf = torch.randn(nb * hkv * BS * 2 * d + 5, generator=g).to(dtype)
     flat = buf[5:].view(nb, hkv, BS * 2 * d)
@@ -284,7 +283,6 @@ def test_no_queries_and_no_tokens() -> None:
 # --------------------------------------------------------------------------- #
 
 
-@needs_triton
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
 def test_triton_matches_torch(layout: str) -> None:
     case = make_case(layout, seed=7)
@@ -295,7 +293,6 @@ def test_triton_matches_torch(layout: str) -> None:
     torch.testing.assert_close(got, reference(case), atol=1e-4, rtol=1e-4)
 
 
-@needs_triton
 @pytest.mark.parametrize(
     ("h", "hkv", "block_q", "block_n"),
     [(4, 2, 8, 16), (6, 2, 4, 32), (2, 2, 16, 16), (4, 1, 4, 64)],
@@ -309,7 +306,6 @@ def test_triton_tilings_and_groups(h: int, hkv: int, block_q: int, block_n: int)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
-@needs_triton
 def test_triton_bfloat16_and_strided_out() -> None:
     case = make_case("flash", dtype=torch.bfloat16, requests=REQUESTS[:4], seed=9)
     want = reference(case)
@@ -319,7 +315,6 @@ def test_triton_bfloat16_and_strided_out() -> None:
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@needs_triton
 def test_triton_empty_query() -> None:
     case = make_case("flash", requests=[(4, 3, 0, "tree")])
     assert paged_tree_attention(*case.args(), backend="triton").shape == (0, 4, 16)
@@ -362,7 +357,6 @@ print("COMPILED")
 """
 
 
-@needs_triton
 def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
     """The interpreter does not type-check loop-carried values; compile for
     sm_90 (no GPU needed) in a fresh process without TRITON_INTERPRET."""
@@ -379,8 +373,6 @@ def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
         check=False,
     )
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and "ptxas" in out:
-        pytest.skip(f"CUDA compile toolchain unavailable: {out[-300:]}")
     assert proc.returncode == 0 and "COMPILED" in proc.stdout, out[-3000:]
 
 
@@ -401,10 +393,10 @@ def test_kv_cache_views_share_storage() -> None:
     k[0, 0, 0, 0] = -1.0
     assert flat[0, 0, 0] == -1.0
 
-    kv5 = torch.randn(2, 3, 4, 2, 5)
-    k, v = kv_cache_views(kv5, "flash")
-    assert k.shape == (3, 2, 4, 5) and torch.equal(k[1, 0, 2], kv5[0, 1, 2, 0])
-    assert torch.equal(v[2, 1, 3], kv5[1, 2, 3, 1]) and v.data_ptr() == kv5[1].data_ptr()
+    kv4 = torch.randn(3, 2, 4, 10)  # [blocks, kv heads, block_size, 2 * D]: key then value per token
+    k, v = kv_cache_views(kv4, "flash")
+    assert k.shape == (3, 2, 4, 5) and torch.equal(k[1, 0, 2], kv4[1, 0, 2, :5])
+    assert torch.equal(v[2, 1, 3], kv4[2, 1, 3, 5:]) and k.untyped_storage().data_ptr() == kv4.data_ptr()
 
 
 def test_kv_cache_views_reject_bad_input() -> None:
@@ -415,11 +407,13 @@ def test_kv_cache_views_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="kv_cache"):
         kv_cache_views(torch.zeros(1, 1, 4, 2).transpose(2, 3), "cpu")
     with pytest.raises(ValueError, match="kv_cache"):
-        kv_cache_views(torch.zeros(3, 1, 1, 1, 2), "flash")
+        kv_cache_views(torch.zeros(3, 1, 1, 3), "flash")
 
 
 def _vllm_ops():  # type: ignore[no-untyped-def]
-    return pytest.importorskip("vllm._custom_ops")
+    from vllm import _custom_ops
+
+    return _custom_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -30,10 +30,9 @@ SIZES = [1, 5, 31, 32, 33, 60, 64, 65]
 BATCHES = [1, 3]
 KINDS = ["random", "chain", "star", "padded", "padded_rows"]
 
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="triton (with TRITON_INTERPRET=1) not available",
-)
+# Triton is part of the test install (vLLM pulls it in): missing, these tests must fail, not skip.
+assert HAS_TRITON, "triton is not installed: pip install -e '.[cpu,test]'"
+assert os.environ.get("TRITON_INTERPRET") == "1", "TRITON_INTERPRET=1 must be set before triton is imported"
 
 
 # --------------------------------------------------------------------------- #
@@ -179,7 +178,6 @@ def test_empty_shapes() -> None:
 # --------------------------------------------------------------------------- #
 
 
-@needs_triton
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("b", BATCHES)
@@ -194,14 +192,12 @@ def test_triton_matches_torch(kind: str, n: int, b: int) -> None:
     assert torch.equal(got_no_ctx.packed, want.packed)
 
 
-@needs_triton
 def test_triton_long_chain_multiblock() -> None:
     """N > 64 uses several node blocks and several words per row."""
     parents = torch.cat([make_parents("chain", 1, 100), make_parents("random", 1, 100)])
     assert_masks_equal(build_tree_masks(parents, backend="triton"), reference(parents, None))
 
 
-@needs_triton
 def test_triton_empty_and_int32_input() -> None:
     got = build_tree_masks(torch.empty(2, 0, dtype=torch.int64), backend="triton")
     assert got.packed.shape == (2, 0, 0)
@@ -234,7 +230,6 @@ print("COMPILED")
 """
 
 
-@needs_triton
 def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
     """The interpreter does not type-check loop-carried values; compile for
     sm_90 (no GPU needed) in a fresh process without TRITON_INTERPRET."""
@@ -251,8 +246,6 @@ def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
         check=False,
     )
     out = proc.stdout + proc.stderr
-    if proc.returncode != 0 and "ptxas" in out:
-        pytest.skip(f"CUDA compile toolchain unavailable: {out[-300:]}")
     assert proc.returncode == 0 and "COMPILED" in proc.stdout, out[-3000:]
 
 
@@ -309,7 +302,6 @@ def test_torch_properties(tree: tuple[torch.Tensor, torch.Tensor]) -> None:
     check_properties(parents, ctx, build_tree_masks(parents, ctx, backend="torch"))
 
 
-@needs_triton
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trees(max_b=2, max_n=40))
 def test_triton_properties(tree: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -1,0 +1,109 @@
+"""Per-request behaviour with eagle2 equals the engine without speculation.
+
+Two engines stay up for the module (eagle2 with a partly-right head, and no speculation):
+logprobs, tiny max_tokens, stop tokens inside an accepted path, prompts that leave less room
+than the tree in max_model_len, and mixed greedy/sampled batches.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from vllm_eagle2.tiny_models import build_pair
+
+MAX_MODEL_LEN = 256
+
+
+def make_llm(target, spec):
+    from vllm import LLM
+
+    return LLM(
+        model=str(target),
+        speculative_config=spec,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        seed=0,
+        disable_log_stats=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    target, head = build_pair(tmp_path_factory.mktemp("request_models"), "partial", seed=0)
+    spec = {"method": "eagle2", "model": str(head), "num_speculative_tokens": 12, "depth": 4, "topk": 3}
+    llms = {"eagle2": make_llm(target, spec), "plain": make_llm(target, None)}
+    yield llms
+    for llm in llms.values():
+        llm.llm_engine.engine_core.shutdown()
+    llms.clear()
+    gc.collect()
+
+
+def both(engines, prompts, params):
+    return [engines[name].generate(prompts, params, use_tqdm=False) for name in ("eagle2", "plain")]
+
+
+def prompt(n: int, seed: int = 0) -> dict:
+    return {"prompt_token_ids": [(seed * 131 + 7 * i) % 500 + 6 for i in range(n)]}
+
+
+def greedy(**kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 24, **kwargs})
+
+
+def ids(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_logprobs_of_emitted_tokens_match(engines):
+    spec, plain = both(engines, [prompt(9), prompt(30, 1)], greedy(logprobs=3))
+    assert ids(spec) == ids(plain)
+    for a, b in zip(spec, plain):
+        for pos_a, pos_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert set(pos_a) == set(pos_b)
+            for token in pos_a:
+                assert pos_a[token].logprob == pytest.approx(pos_b[token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_tiny_max_tokens(engines, max_tokens):
+    spec, plain = both(engines, [prompt(5), prompt(40, 2)], greedy(max_tokens=max_tokens))
+    assert ids(spec) == ids(plain)
+    assert all(len(t) == max_tokens for t in ids(spec))
+
+
+def test_stop_token_inside_an_accepted_path_ends_the_output_there(engines):
+    reference = ids(engines["plain"].generate([prompt(12, 3)], greedy(), use_tqdm=False))[0]
+    stop = reference[7]
+    spec, plain = both(engines, [prompt(12, 3)], greedy(stop_token_ids=[stop]))
+    assert ids(spec) == ids(plain)
+    assert ids(spec)[0][-1] == stop and len(ids(spec)[0]) == reference.index(stop) + 1
+
+
+def test_prompt_leaving_less_room_than_the_tree(engines):
+    # 240 + 16 = max_model_len: the draft tree cannot fit near the end; output must not change.
+    spec, plain = both(engines, [prompt(240, 4), prompt(8, 5)], greedy(max_tokens=16))
+    assert ids(spec) == ids(plain)
+
+
+def test_mixed_greedy_and_seeded_sampling_batch(engines):
+    from vllm import SamplingParams
+
+    params = [
+        greedy(),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+        greedy(max_tokens=10),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = [prompt(10, i) for i in range(4)]
+    first = engines["eagle2"].generate(prompts, params, use_tqdm=False)
+    again = engines["eagle2"].generate(prompts, params, use_tqdm=False)
+    plain = engines["plain"].generate(prompts, params, use_tqdm=False)
+    assert ids(first)[0] == ids(plain)[0] and ids(first)[2] == ids(plain)[2]  # greedy rows exact
+    assert ids(first) == ids(again)  # seeded sampling is reproducible run to run
