@@ -11,7 +11,8 @@ What is patched (vLLM 0.32, file:function):
 * ``engine/arg_utils.py`` EngineArgs.create_speculative_config: pops and validates the
   eagle2 keys (depth, topk, tree) and checks the head before any weights load.
 * ``config/vllm.py`` VllmConfig: eagle2 runs on the V1 model runner (listed as unsupported
-  by Model Runner V2), and reserves KV slots for the draft tree past each request.
+  by Model Runner V2), reserves KV slots for the draft tree past each request, and uses no
+  full CUDA graphs (they would replay causal attention for tree rows).
 * ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
   drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
   masks after ``_prepare_inputs``; tree verification instead of the rejection sampler.
@@ -176,6 +177,28 @@ def _patch_config() -> None:
         return slots
 
     VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+
+    vllm_post_init = VllmConfig.__post_init__
+
+    def vllm_config_post_init(self, *args, **kwargs):
+        vllm_post_init(self, *args, **kwargs)
+        spec = self.speculative_config
+        if spec is None or spec.method != "eagle2":
+            return
+        from vllm.config.compilation import CUDAGraphMode
+
+        compilation = self.compilation_config
+        mode = compilation.cudagraph_mode
+        if mode is not None and mode.has_full_cudagraphs():
+            # A full CUDA graph would replay the stock (causal) attention for tree rows: the
+            # tree side channel is Python. Piecewise graphs run attention eagerly.
+            new = CUDAGraphMode.PIECEWISE if mode.has_piecewise_cudagraphs() else CUDAGraphMode.NONE
+            logger.warning(
+                "eagle2: cudagraph_mode %s -> %s (tree attention runs outside graphs)", mode.name, new.name
+            )
+            compilation.cudagraph_mode = new
+
+    VllmConfig.__post_init__ = vllm_config_post_init
 
 
 # -- model runner ---------------------------------------------------------------------------
