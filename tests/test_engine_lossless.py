@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import acceptance_length, run_llm
 
-from vllm_eagle2.tiny_models import build_pair
+from vllm_eagle2.tiny_models import build_eagle_head, build_pair
 
 MAX_TOKENS = 40
 
@@ -40,11 +40,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine_models")
     partial_target, noisy_head = build_pair(root / "partial", "partial", seed=0)
     oracle_target, oracle_head = build_pair(root / "oracle", "oracle", seed=0)
+    # A head as EAGLE-1/EAGLE-2 publish them: fc with a bias, no embed_tokens (the target's is used).
+    published_head = build_eagle_head(
+        root / "published-head", oracle_target, kind="oracle", with_fc_bias=True, include_embed=False
+    )
     return {
         "partial": partial_target,
         "noisy": noisy_head,
         "oracle": oracle_target,
         "oracle_head": oracle_head,
+        "published_head": published_head,
     }
 
 
@@ -114,6 +119,15 @@ def test_greedy_with_chunked_prefill_and_prefix_caching(models, prompts, referen
 )
 def test_exact_head_accepts_the_whole_depth(models, prompts, knobs):
     spec = eagle2(models["oracle_head"], **knobs)
+    _assert_full_depth(models, prompts, spec, knobs["depth"])
+
+
+def test_published_head_format_loads_and_is_exact(models, prompts):
+    knobs = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
+    _assert_full_depth(models, prompts, eagle2(models["published_head"], **knobs), knobs["depth"])
+
+
+def _assert_full_depth(models, prompts, spec, depth):
     # 1 token from the prefill, then steps of depth + 1 = 5 tokens each.
     _, metrics = run_llm(models["oracle"], spec, prompts, greedy(1 + 8 * 5))
-    assert acceptance_length(metrics) == pytest.approx(knobs["depth"] + 1, abs=0.05)
+    assert acceptance_length(metrics) == pytest.approx(depth + 1, abs=0.05)
