@@ -48,6 +48,8 @@ def apply() -> bool:
     """Patch vLLM once; returns False (and logs why) on an unsupported vLLM. Never raises."""
     if _state["applied"]:
         return True
+    if _state["error"] is not None:  # already refused in this process: say it once
+        return False
     try:
         import vllm
     except ImportError:

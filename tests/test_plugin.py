@@ -1,0 +1,306 @@
+"""The plugin's contract with vLLM, without starting an engine.
+
+* Installing the package declares the ``eagle2`` entry point in ``vllm.general_plugins``;
+  loading it makes vLLM's config accept ``method: "eagle2"``.
+* An eagle2 config builds on vLLM's V1 model runner with the plugin's head class.
+* Invalid settings fail while the config is built (before any weights load) with a
+  ``ValueError`` naming the field.
+* On a vLLM release the plugin was not written for, nothing is patched: the plugin logs
+  why, an eagle2 config fails with that message, and vLLM without speculation still works.
+* A Ray worker gets the method through vLLM's own plugin loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_eagle2.config import Eagle2ConfigError
+from vllm_eagle2.patches import unsupported_reason
+from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
+from vllm_eagle2.tree import TREE_MODES
+
+KNOBS = dict(num_speculative_tokens=12, depth=4, topk=3)
+#: A config is built in about 2 s here; loading weights would be the engine's job, much later.
+CONFIG_SECONDS = 30.0
+SUBPROCESS_SECONDS = 300
+
+# Flattens the Literal[...] | None annotation of SpeculativeConfig.method; run in child processes.
+ACCEPTED_METHODS_SRC = """
+import typing
+
+def accepted_methods():
+    from vllm.config import SpeculativeConfig
+
+    def flat(tp):
+        for arg in typing.get_args(tp):
+            yield from flat(arg) if typing.get_args(arg) else (arg,)
+
+    return set(flat(SpeculativeConfig.__dataclass_fields__["method"].type))
+"""
+
+
+def eagle2(head: Path | str, **knobs: Any) -> dict[str, Any]:
+    return {"method": "eagle2", "model": str(head), **knobs}
+
+
+def engine_config(target: Path, spec: dict[str, Any] | None):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, speculative_config=spec
+    )
+    return args.create_engine_config()
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (this test session's environment)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_SECONDS,
+        env=dict(os.environ),
+    )
+
+
+def last_json_line(proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """The partial pair, and heads that cannot serve its target (different hidden size / vocab, broken)."""
+    root = tmp_path_factory.mktemp("plugin_models")
+    target, head = build_pair(root, "partial", seed=0)
+
+    narrow_target = build_target(root / "narrow-target", hidden_size=64, num_heads=2, num_kv_heads=1)
+    narrow_head = build_eagle_head(root / "narrow-head", narrow_target)
+
+    other_vocab_head = shutil.copytree(head, root / "other-vocab-head")
+    cfg = json.loads((other_vocab_head / "config.json").read_text())
+    cfg["vocab_size"] += 128
+    (other_vocab_head / "config.json").write_text(json.dumps(cfg))
+
+    truncated_head = shutil.copytree(head, root / "truncated-head")
+    weights = truncated_head / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    return {
+        "target": target,
+        "head": head,
+        "narrow_head": narrow_head,
+        "other_vocab_head": other_vocab_head,
+        "truncated_head": truncated_head,
+        "missing_head": root / "no-such-head",
+    }
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+def test_entry_point_eagle2_is_declared_in_vllm_general_plugins():
+    declared = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert declared.get("eagle2") == "vllm_eagle2:register"
+
+
+@pytest.fixture(scope="module")
+def fresh_load() -> dict[str, Any]:
+    """Methods vLLM accepts in a fresh interpreter before and after loading the entry point."""
+    proc = run_python(
+        ACCEPTED_METHODS_SRC
+        + """
+import json
+from importlib.metadata import entry_points
+
+before = "eagle2" in accepted_methods()
+(plugin,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "eagle2"]
+plugin.load()()
+print(json.dumps({"before": before, "after": "eagle2" in accepted_methods()}))
+"""
+    )
+    return last_json_line(proc)
+
+
+def test_vllm_alone_does_not_know_eagle2(fresh_load):
+    assert fresh_load["before"] is False
+
+
+def test_loading_the_entry_point_registers_eagle2(fresh_load):
+    assert fresh_load["after"] is True
+
+
+# -- a valid config ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def config(models):
+    return engine_config(models["target"], eagle2(models["head"], **KNOBS))
+
+
+def test_config_method_stays_eagle2(config):
+    assert config.speculative_config.method == "eagle2"
+
+
+def test_config_carries_the_tree_settings(config):
+    settings = config.speculative_config.eagle2
+    assert (settings.num_tokens, settings.depth, settings.topk, settings.tree) == (12, 4, 3, "dynamic")
+    assert config.speculative_config.num_speculative_tokens == 12
+
+
+def test_draft_model_is_the_eagle2_head_class(config):
+    draft = config.speculative_config.draft_model_config
+    assert draft.hf_config.architectures == ["Eagle2LlamaForCausalLM"]
+    assert draft.architecture == "Eagle2LlamaForCausalLM"
+
+
+def test_eagle2_runs_on_the_v1_model_runner(config):
+    assert config.use_v2_model_runner is False
+    # Also where Model Runner V2 would otherwise be picked (GPU builds with Triton).
+    assert "speculative method 'eagle2'" in config._get_v2_model_runner_unsupported_features()
+
+
+def test_kv_cache_reserves_slots_for_the_draft_tree(config):
+    assert config.num_lookahead_tokens >= (4 - 1) * 3  # (depth - 1) * topk expanded frontier nodes
+
+
+# -- invalid configs fail early ------------------------------------------------------------------
+
+
+INVALID = {
+    "depth 0": (dict(KNOBS, depth=0), "head", ["speculative_config.depth", "0"]),
+    "topk 0": (dict(KNOBS, topk=0), "head", ["speculative_config.topk", "0"]),
+    "topk 'x'": (dict(KNOBS, topk="x"), "head", ["speculative_config.topk", "'x'"]),
+    "more tokens than the pool": (
+        dict(num_speculative_tokens=7, depth=2, topk=2),
+        "head",
+        ["speculative_config.num_speculative_tokens", "[1, 6]", "7"],
+    ),
+    "unknown tree mode": (
+        dict(KNOBS, tree="bushy"),
+        "head",
+        ["speculative_config.tree", "bushy", *TREE_MODES],
+    ),
+    "head path does not exist": (KNOBS, "missing_head", ["speculative_config.model", "does not exist"]),
+    "head of another hidden size": (KNOBS, "narrow_head", ["speculative_config.model", "hidden_size", "64"]),
+    "head of another vocab": (KNOBS, "other_vocab_head", ["speculative_config.model", "vocab_size", "640"]),
+    "truncated head weights": (KNOBS, "truncated_head", ["speculative_config.model", "truncated"]),
+}
+
+
+@pytest.mark.parametrize("knobs, head, words", INVALID.values(), ids=INVALID.keys())
+def test_invalid_setting_fails_fast_naming_the_field(models, knobs, head, words):
+    start = time.monotonic()
+    with pytest.raises(ValueError) as failure:
+        engine_config(models["target"], eagle2(models[head], **knobs))
+    elapsed = time.monotonic() - start
+    assert isinstance(failure.value, Eagle2ConfigError), repr(failure.value)
+    message = str(failure.value)
+    assert all(word in message for word in words), message
+    assert elapsed < CONFIG_SECONDS
+
+
+# -- version safety ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0"])
+def test_other_vllm_releases_are_refused_naming_the_supported_ones(version):
+    reason = unsupported_reason(version)
+    assert reason is not None
+    assert "0.32.x" in reason and version in reason
+
+
+def test_vllm_0_32_patch_releases_are_supported():
+    assert unsupported_reason("0.32.1") is None
+
+
+@pytest.fixture(scope="module")
+def on_unsupported_vllm(models) -> dict[str, Any]:
+    """A fresh interpreter whose vLLM claims to be 0.99.0: apply(), then build configs."""
+    proc = run_python(
+        f"""
+import json
+import vllm
+
+vllm.__version__ = "0.99.0"
+from vllm_eagle2 import patches
+
+applied = patches.apply()
+from vllm.engine.arg_utils import EngineArgs
+
+common = dict(model={str(models["target"])!r}, dtype="float32", enforce_eager=True, max_model_len=512)
+try:
+    EngineArgs(**common, speculative_config={eagle2(models["head"], **KNOBS)!r}).create_engine_config()
+    eagle2_error = None
+except ValueError as exc:
+    eagle2_error = str(exc)
+plain = EngineArgs(**common).create_engine_config()
+result = {{"applied": applied, "eagle2_error": eagle2_error, "plain": plain.speculative_config is None}}
+print(json.dumps(result))
+"""
+    )
+    result = last_json_line(proc)
+    result["stderr"] = proc.stderr
+    return result
+
+
+def test_apply_on_an_unsupported_vllm_patches_nothing(on_unsupported_vllm):
+    assert on_unsupported_vllm["applied"] is False
+
+
+def test_apply_on_an_unsupported_vllm_logs_why(on_unsupported_vllm):
+    assert unsupported_reason("0.99.0") in on_unsupported_vllm["stderr"]
+
+
+def test_eagle2_config_on_an_unsupported_vllm_fails_with_the_version_message(on_unsupported_vllm):
+    assert on_unsupported_vllm["eagle2_error"] == unsupported_reason("0.99.0")
+
+
+def test_vllm_without_speculation_still_builds_on_an_unsupported_vllm(on_unsupported_vllm):
+    assert on_unsupported_vllm["plain"] is True
+
+
+# -- Ray workers -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    try:
+        import ray
+    except ImportError:
+        pytest.fail(
+            "ray is not installed; it is part of the test extra: pip install -e '.[test]'", pytrace=False
+        )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def test_ray_worker_gets_eagle2_through_vllm_plugin_loading(ray_cluster):
+    def load_plugins_in_worker() -> tuple[bool, bool]:
+        namespace: dict[str, Any] = {}
+        exec(ACCEPTED_METHODS_SRC, namespace)
+        from vllm.plugins import load_general_plugins
+
+        before = "eagle2" in namespace["accepted_methods"]()
+        load_general_plugins()
+        return before, "eagle2" in namespace["accepted_methods"]()
+
+    task = ray_cluster.remote(load_plugins_in_worker)
+    before, after = ray_cluster.get(task.remote(), timeout=SUBPROCESS_SECONDS)
+    assert (before, after) == (False, True)
