@@ -107,3 +107,19 @@ def test_mixed_greedy_and_seeded_sampling_batch(engines):
     plain = engines["plain"].generate(prompts, params, use_tqdm=False)
     assert ids(first)[0] == ids(plain)[0] and ids(first)[2] == ids(plain)[2]  # greedy rows exact
     assert ids(first) == ids(again)  # seeded sampling is reproducible run to run
+
+
+def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines):
+    params = greedy(repetition_penalty=1.3, presence_penalty=0.5)
+    spec, plain = both(engines, [prompt(10, 6), prompt(20, 7)], params)
+    assert ids(spec) == ids(plain)
+
+
+def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    first = engines["eagle2"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    again = engines["eagle2"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    assert len(first.outputs) == 3
+    assert [list(c.token_ids) for c in first.outputs] == [list(c.token_ids) for c in again.outputs]
