@@ -311,3 +311,23 @@ def test_accepted_paths_are_connected_and_emit_their_tokens(n, vocab, seed, temp
         assert result.output_tokens[b, :k].tolist() == [trees[b][0][i] for i in nodes]
         assert 0 <= int(result.output_tokens[b, k]) < vocab
         assert (result.output_tokens[b, k + 1 :] == -1).all()
+
+
+def test_a_seeded_row_draws_the_same_numbers_whatever_the_batch(probs):
+    alone = verify_sampling(
+        torch.tensor([TREE_TOKENS]),
+        torch.tensor([TREE_PARENTS]),
+        probs.unsqueeze(0),
+        generators={0: torch.Generator().manual_seed(5)},
+    )
+    # The same request next to a deeper tree and with padding nodes appended.
+    deep_tokens = [0, 1, 2, 3, 4, 0, 1, -1]
+    deep_parents = [-1, 0, 1, 2, 3, 4, 5, -1]
+    mixed = verify_sampling(
+        torch.tensor([deep_tokens, TREE_TOKENS + [-1]]),
+        torch.tensor([deep_parents, TREE_PARENTS + [-1]]),
+        torch.cat([probs, probs[:1]]).unsqueeze(0).expand(2, -1, -1),
+        generators={1: torch.Generator().manual_seed(5)},
+    )
+    k = int(alone.num_accepted[0])
+    assert mixed.output_tokens[1, : k + 1].tolist() == alone.output_tokens[0, : k + 1].tolist()

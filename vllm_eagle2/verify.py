@@ -188,15 +188,25 @@ def _sample_residual(
 
 
 def _uniforms(
-    shape: tuple[int, ...],
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
     generators: dict[int, torch.Generator] | None,
-    device: torch.device,
     default: torch.Generator | None,
 ) -> torch.Tensor:
-    u = torch.rand(shape, device=device, generator=default)
-    # Seeded requests draw from their own generator so their output is reproducible.
-    for row, gen in (generators or {}).items():
-        u[row] = torch.rand(shape[1:], device=device, generator=gen)
+    """Uniforms [B, D + 2]: one per level of the walk, the last one for the final token.
+
+    A seeded request draws exactly (its own tree depth + 2) numbers from its own generator,
+    whatever else (padding included) is in the batch, so its output is reproducible.
+    """
+    depths, max_depth = _node_depths(parents)
+    u = torch.rand((parents.shape[0], max_depth + 2), device=parents.device, generator=default)
+    if generators:
+        real = torch.where(tokens >= 0, depths, 0)
+        row_depth = real.amax(dim=1).tolist() if real.numel() else [0] * parents.shape[0]
+        for row, gen in generators.items():
+            draws = torch.rand(row_depth[row] + 2, device=parents.device, generator=gen)
+            u[row, : row_depth[row] + 1] = draws[:-1]
+            u[row, -1] = draws[-1]
     return u
 
 
@@ -220,8 +230,7 @@ def verify_sampling(
     """
     _check_tree(tokens, parents, target_probs, "target_probs")
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    _, max_depth = _node_depths(parents)
-    u = _uniforms((tokens.shape[0], max_depth + 2), generators, tokens.device, generator)
+    u = _uniforms(tokens, parents, generators, generator)
     return _walk(tokens, parents, lambda current: target_probs[rows, current + 1], uniforms=u)
 
 
@@ -295,9 +304,8 @@ def verify_tree(
         return target_probs(row, sub_temperature, sub_top_k, sub_top_p).squeeze(1)
 
     sub_tokens, sub_parents = tokens[sampled_rows], parents[sampled_rows]
-    _, max_depth = _node_depths(sub_parents)
     gens = {row_of[r]: g for r, g in (generators or {}).items() if r in row_of}
-    u = _uniforms((sampled_rows.numel(), max_depth + 2), gens, tokens.device, None)
+    u = _uniforms(sub_tokens, sub_parents, gens, None)
     sampled = _walk(sub_tokens, sub_parents, probs_at, uniforms=u)
     merged = []
     for full, part in zip(
