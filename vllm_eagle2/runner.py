@@ -16,7 +16,7 @@ Per step, for the requests that carry drafts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -139,23 +139,41 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
     first_row = meta.cu_num_sampled_tokens.to(device).long() - (n + 1)
     col = torch.arange(width + 1, device=device)
     row_idx = first_row.unsqueeze(1) + torch.minimum(col.unsqueeze(0), n.unsqueeze(1))
-    target_logits = logits[row_idx]  # [B, N + 1, V]
-    result = verify_tree(
-        step.tokens,
-        step.parents,
-        target_logits,
-        temperature=None if sampling.all_greedy else sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        generators=sampling.generators,
+    # vLLM's own sampler draws every request's token at its root, as in a step without
+    # drafts: requests without a tree take it, so a request samples the same way whatever
+    # else is in the batch (seeded requests stay reproducible run to run).
+    plain = runner.sampler(
+        logits=logits[first_row], sampling_metadata=replace(sampling, max_num_logprobs=None)
     )
-    out_tokens = result.output_tokens
+    out_tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
+    out_tokens[:, 0] = plain.sampled_token_ids.view(-1).long()
+    accepted = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+
+    spec = (n > 0).nonzero().squeeze(1)
+    row_of = {int(r): i for i, r in enumerate(spec.tolist())}
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[spec]
+
+    result = verify_tree(
+        step.tokens[spec],
+        step.parents[spec],
+        logits[row_idx[spec]],  # [B', N + 1, V]
+        temperature=None if sampling.all_greedy else pick(sampling.temperature),
+        top_k=pick(sampling.top_k),
+        top_p=pick(sampling.top_p),
+        generators={row_of[r]: g for r, g in (sampling.generators or {}).items() if r in row_of},
+    )
+    out_tokens[spec, : result.output_tokens.shape[1]] = result.output_tokens
+    accepted[spec, : result.accepted_nodes.shape[1]] = result.accepted_nodes
+    num_accepted[spec] = result.num_accepted
     out_width = out_tokens.shape[1]
     logprobs = None
     if sampling.max_num_logprobs is not None:
         # Output token j is the target's choice after path node j - 1 (the root for j = 0).
         path_rows = torch.cat(
-            [torch.zeros(batch, 1, dtype=torch.long, device=device), result.accepted_nodes.clamp(min=-1) + 1],
+            [torch.zeros(batch, 1, dtype=torch.long, device=device), accepted + 1],
             dim=1,
         )[:, :out_width]
         rows = logits[first_row.unsqueeze(1) + path_rows.clamp(min=0)].flatten(0, 1)
@@ -165,7 +183,7 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
             token_ids=out_tokens.flatten().clamp(min=0),
         )
         logprobs = LogprobsTensors(*logprobs[:3])
-    _move_accepted_path(runner, step, result.accepted_nodes, result.num_accepted)
+    _move_accepted_path(runner, step, accepted, num_accepted)
     attention.set_tree_batch(None)
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
 
