@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import acceptance_length, run_llm
 
-from vllm_eagle2.tiny_models import build_eagle_head, build_pair
+from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
 
@@ -44,7 +44,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
     published_head = build_eagle_head(
         root / "published-head", oracle_target, kind="oracle", with_fc_bias=True, include_embed=False
     )
+    # A random target, and a head built as if the target were token-to-token: rarely right.
+    random_target = build_target(root / "random-target", kind="random", seed=1)
+    random_head = build_eagle_head(root / "random-head", random_target, kind="oracle", seed=1)
     return {
+        "random": random_target,
+        "random_head": random_head,
         "partial": partial_target,
         "noisy": noisy_head,
         "oracle": oracle_target,
@@ -82,6 +87,13 @@ def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, k
     assert tokens_of(outputs) == reference["partial"]
     tau = acceptance_length(metrics)
     assert 1.2 < tau < knobs["depth"] + 1  # partly accepted trees, not all-or-nothing
+
+
+def test_greedy_on_a_random_target_equals_no_speculation(models, prompts):
+    spec = eagle2(models["random_head"], num_speculative_tokens=12, depth=4, topk=3)
+    outputs, metrics = run_llm(models["random"], spec, prompts, greedy())
+    assert tokens_of(outputs) == tokens_of(run_llm(models["random"], None, prompts, greedy())[0])
+    assert acceptance_length(metrics) > 1.0  # some drafts accepted, most rejected
 
 
 @pytest.mark.parametrize("mode", ["static", "chain", "no_value", "no_rerank"])
