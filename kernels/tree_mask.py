@@ -46,15 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # Triton is optional: the torch backend works without it.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, tl, triton
 
 __all__ = [
     "HAS_TRITON",

@@ -28,16 +28,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from vllm_eagle2.cpu_env import configure_cpu_env
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _setup_env() -> None:
-    scratch = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(scratch / "vllm_cache"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(scratch / "inductor"))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def _timed_forwards() -> dict[int, list[float]]:
@@ -105,7 +98,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: float32 with --tiny, else bfloat16")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    _setup_env()
+    configure_cpu_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the timing hook must reach the runner
     times = _timed_forwards()
     if args.tiny:
         from vllm_eagle2.tiny_models import build_pair

@@ -32,18 +32,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
-SCRATCH = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
 MTBENCH_QUESTIONS = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 #: (num_speculative_tokens, depth, topk) when not given: the tiny pair, and a real model on a CPU
@@ -70,25 +69,6 @@ BUILTIN_PROMPTS = (
 def log(msg: str) -> None:
     """Progress line on stderr, flushed at once (vLLM's own logs go to stdout)."""
     print(f"[quickstart] {msg}", file=sys.stderr, flush=True)
-
-
-def setup_cpu_env(verbose: bool) -> None:
-    """Environment for vLLM on this CPU (DESIGN.md section 4); must run before vLLM is imported.
-
-    ``LD_PRELOAD`` only affects processes started afterwards: the engine core is a child process
-    spawned by ``LLM(...)``, so setting it here (before any engine exists) reaches it.
-    """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(SCRATCH / "vllm_cache"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if not iomp.exists():
-        iomp = REPO_ROOT / ".venv" / "lib" / "libiomp5.so"
-    if iomp.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-        os.environ["LD_PRELOAD"] = ":".join(p for p in (os.environ.get("LD_PRELOAD"), str(iomp)) if p)
 
 
 @dataclass
@@ -373,8 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run both engines and print the comparison; returns the exit status."""
     args = parse_args(argv)
-    setup_cpu_env(args.verbose)
-    SCRATCH.mkdir(parents=True, exist_ok=True)
+    configure_cpu_env(quiet=not args.verbose)
     setup = resolve_setup(args)
     log(setup.description)
     m, d, k = setup.tree

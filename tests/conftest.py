@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# vLLM on a CPU-only machine; set before vllm is imported anywhere.
-_VENV_LIB = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "libiomp5.so"
-_SCRATCH = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
-_SCRATCH.mkdir(parents=True, exist_ok=True)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm_cache"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+from vllm_eagle2.cpu_env import configure_cpu_env
+
+configure_cpu_env()  # before vllm is imported anywhere
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors only this way
-if _VENV_LIB.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-    # Reaches the engine's child processes (this interpreter is already loaded).
-    os.environ["LD_PRELOAD"] = ":".join(p for p in (os.environ.get("LD_PRELOAD"), str(_VENV_LIB)) if p)
 
 
 def run_llm(

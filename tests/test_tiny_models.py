@@ -9,28 +9,13 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-# vLLM on this CPU-only machine (DESIGN.md section 4); set before vllm is imported anywhere.
-_VENV_LIB = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "libiomp5.so"
-_SCRATCH = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
-_SCRATCH.mkdir(parents=True, exist_ok=True)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm_cache"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
-if _VENV_LIB.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-    # Only reaches the engine's child processes (the running interpreter is already loaded).
-    os.environ["LD_PRELOAD"] = ":".join(p for p in (os.environ.get("LD_PRELOAD"), str(_VENV_LIB)) if p)
-
-import torch  # noqa: E402
-
-from vllm_eagle2.tiny_models import (  # noqa: E402
+from vllm_eagle2.tiny_models import (
     build_eagle_head,
     build_pair,
     build_target,
