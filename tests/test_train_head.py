@@ -1,0 +1,164 @@
+"""The head trainer's core (scripts/train_eagle_head.py) on a tiny seeded target, no engine start.
+
+Synthetic token sequences run through a tiny "partial" target; features go to shards; a few steps of
+training must lower the loss; the exported head must be in vLLM's eagle format (config accepted by
+vLLM's config loader and ``EAGLEConfig``, exact key set and shapes, no ``embed_tokens``) and compute
+the same function as the plain-torch twin of vLLM's head (``EagleHeadReference``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from vllm_eagle2.tiny_models import EagleHeadReference, build_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_trainer() -> ModuleType:
+    """Import scripts/train_eagle_head.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "train_eagle_head", REPO / "scripts" / "train_eagle_head.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trainer() -> ModuleType:
+    """The trainer script as a module."""
+    return _load_trainer()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, trainer: ModuleType) -> dict:
+    """Tiny target, synthetic sequences, feature shards."""
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("train_head")
+    target = build_target(root / "target", kind="partial", seed=0)
+    gen = torch.Generator().manual_seed(0)
+    seqs = trainer.Sequences()
+    for i in range(8):
+        n = 40 + 4 * i
+        seqs.ids.append(torch.randint(6, 512, (n,), generator=gen).tolist())
+        seqs.masks.append([j >= 5 for j in range(n)])  # a "prompt" of 5 tokens, then the "reply"
+        seqs.names.append(f"synthetic-{i}")
+    model = LlamaForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    fdir = root / "features"
+    shards = trainer.write_feature_shards(model, seqs, fdir, "train", shard_tokens=150)
+    return {"root": root, "target": target, "fdir": fdir, "shards": shards, "seqs": seqs, "model": model}
+
+
+def test_feature_shards(setup: dict) -> None:
+    """Shards hold every token, the post-final-norm hidden state, the mask and the offsets."""
+    from safetensors.torch import load_file
+
+    seqs, shards = setup["seqs"], setup["shards"]
+    assert len(shards) > 1
+    assert sum(len(s["lengths"]) for s in shards) == len(seqs.ids)
+    data = load_file(str(setup["fdir"] / shards[0]["file"]))
+    n0 = shards[0]["lengths"][0]
+    assert data["hidden"].dtype == torch.bfloat16 and data["hidden"].shape[1] == 128
+    assert data["tokens"][:n0].tolist() == seqs.ids[0]
+    assert data["mask"][:n0].tolist() == seqs.masks[0]
+    with torch.no_grad():
+        ref = setup["model"].model(input_ids=torch.tensor(seqs.ids[0])[None]).last_hidden_state[0]
+    torch.testing.assert_close(data["hidden"][:n0].float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: Path) -> None:
+    """Two short epochs lower the loss; the exported head is in vLLM's format and matches the reference."""
+    from safetensors.torch import load_file
+
+    target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
+    head = trainer.build_head(target, init="target", seed=0)
+    before = trainer.evaluate(head, fdir, shards, batch_tokens=128)
+    cfg = trainer.TrainConfig(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0)
+    ckpt = tmp_path / "ckpt.pt"
+    history = trainer.train(head, fdir, shards, shards, cfg, checkpoint=ckpt, progress=False)
+    after = history["eval"][-1]
+    assert len(history["steps"]) == history["total_steps"] >= 4
+    assert after["loss"] < 0.9 * before["loss"], (before, after)
+    assert ckpt.exists()
+
+    # Resuming a finished run changes nothing and does not fail.
+    head2 = trainer.build_head(target, init="target", seed=0)
+    h2 = trainer.train(head2, fdir, shards, None, cfg, checkpoint=ckpt, resume=True, progress=False)
+    assert h2["completed_epochs"] == 2
+    for (k, a), b in zip(head.state_dict().items(), head2.state_dict().values()):
+        assert torch.equal(a, b), k
+
+    out = trainer.export_head(head, tmp_path / "head", dtype=torch.float32)
+    sd = load_file(str(out / "model.safetensors"))
+    h, inter = 128, 256
+    kv = 2 * (h // 4)
+    expected = {
+        "fc.weight": (h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": (h, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, h),
+        "layers.0.post_attention_layernorm.weight": (h,),
+        "layers.0.mlp.gate_proj.weight": (inter, h),
+        "layers.0.mlp.up_proj.weight": (inter, h),
+        "layers.0.mlp.down_proj.weight": (h, inter),
+    }
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected
+
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 1 and raw["architectures"] == ["LlamaForCausalLM"]
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    hf = get_config(str(out), trust_remote_code=False)
+    eagle = EAGLEConfig(hf, method="eagle", model_type="eagle")
+    assert eagle.architectures == ["EagleLlamaForCausalLM"]
+    assert eagle.model.hidden_size == h and eagle.model.num_hidden_layers == 1
+    assert eagle.model.vocab_size == 512
+
+    # Same function as the plain-torch twin of vLLM's head (embedding shared from the target).
+    ref = EagleHeadReference.load(out, target)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(6, 512, (20,), generator=gen)
+    hidden = torch.randn(20, h, generator=gen)
+    pos = torch.arange(20)
+    with torch.no_grad():
+        mine = head(tokens, hidden, pos, [20])
+    torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
+
+
+def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) -> None:
+    """Assistant spans are masked through the chat template; the reader stops at a truncated tail."""
+    from transformers import AutoTokenizer
+
+    from vllm_eagle2.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
+    msgs = trainer.to_messages(
+        {
+            "conversations": [
+                {"from": "gpt", "value": "dropped leading reply"},
+                {"from": "human", "value": "def f(x):"},
+                {"from": "gpt", "value": "return x + 1"},
+            ]
+        }
+    )
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    ids, mask = trainer.render_conversation(tok, msgs, 1000)
+    reply = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert "return x + 1" in reply and "def f" not in reply
+
+    path = tmp_path / "trunc.json"
+    path.write_text('[{"id": "a", "conversations": []}, {"id": "b"}, {"id": "c", "conv')
+    assert [x["id"] for x in trainer.iter_json_array(path, chunk_chars=7)] == ["a", "b"]
