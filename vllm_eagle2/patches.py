@@ -16,6 +16,9 @@ What is patched (vLLM 0.32, file:function):
 * ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
   drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
   masks after ``_prepare_inputs``; tree verification instead of the rejection sampler.
+  Also, for every engine (eagle2 or not): a seeded request whose prefill chunk is discarded
+  keeps its CPU generator untouched (vLLM rewinds it with ``set_offset``, which only CUDA
+  generators have: a seeded request with a chunked prefill crashed vLLM's CPU build).
 * ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
   by the "vec" layout, which the tree attention reads.
 """
@@ -244,9 +247,26 @@ def _patch_runner() -> None:
     sample = GPUModelRunner._sample
 
     def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
-            return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
-        return sample(self, logits, spec_decode_metadata)
+        saved = [(gen, gen.get_state()) for gen in _discarded_cpu_generators(self)]
+        try:
+            if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
+                return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
+            return sample(self, logits, spec_decode_metadata)
+        finally:
+            # A discarded (partial-prefill) sample must not advance the request's generator.
+            for gen, state in saved:
+                gen.set_state(state)
+
+    bookkeeping_sync = GPUModelRunner._bookkeeping_sync
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # _sample already restored these generators; hide them from vLLM's CUDA-only rewind.
+        generators = self.input_batch.generators
+        hidden = {i: generators.pop(i) for i in _discarded_cpu_generator_rows(self)}
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
 
     sample_tokens = GPUModelRunner.sample_tokens
 
@@ -262,7 +282,23 @@ def _patch_runner() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.sample_tokens = _sample_tokens
+
+
+def _discarded_cpu_generator_rows(runner: Any) -> list[int]:
+    """Batch rows whose sample this step is discarded (partial prefill) and that own a CPU generator."""
+    num_reqs = runner.input_batch.num_reqs
+    generators = runner.input_batch.generators
+    if not generators or num_reqs == 0:
+        return []
+    rows = runner.discard_request_mask.np[:num_reqs].nonzero()[0]
+    return [int(i) for i in rows if int(i) in generators and generators[int(i)].device.type == "cpu"]
+
+
+def _discarded_cpu_generators(runner: Any) -> list[Any]:
+    generators = runner.input_batch.generators
+    return [generators[i] for i in _discarded_cpu_generator_rows(runner)]
 
 
 def _patch_cpu_attention() -> None:
