@@ -60,7 +60,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, trainer: ModuleType) -> dict
     return {"root": root, "target": target, "fdir": fdir, "shards": shards, "seqs": seqs, "model": model}
 
 
-def test_feature_shards(setup: dict) -> None:
+def test_feature_shards(setup: dict, trainer: ModuleType) -> None:
     """Shards hold every token, the post-final-norm hidden state, the mask and the offsets."""
     from safetensors.torch import load_file
 
@@ -75,6 +75,42 @@ def test_feature_shards(setup: dict) -> None:
     with torch.no_grad():
         ref = setup["model"].model(input_ids=torch.tensor(seqs.ids[0])[None]).last_hidden_state[0]
     torch.testing.assert_close(data["hidden"][:n0].float(), ref, atol=0.05, rtol=0.02)
+    # The target's top-K next-token log-probs, most likely first, from the stored bf16 hidden state.
+    lm_head = setup["model"].lm_head.weight.detach().to(torch.bfloat16)
+    logp = torch.log_softmax((data["hidden"][:n0] @ lm_head.T).float(), -1)
+    k = trainer.TARGET_TOPK
+    assert data["topk_ids"].shape == (data["tokens"].numel(), k)
+    # (ids compared through their log-probs: a bf16 matmul of another shape may order near-ties apart)
+    stored = logp.gather(-1, data["topk_ids"][:n0].long())
+    torch.testing.assert_close(stored, logp.topk(k, -1).values, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(data["topk_logp"][:n0], stored, atol=2e-2, rtol=1e-2)
+
+
+def test_subset_loss_equals_full_loss_over_the_whole_vocabulary(setup: dict, trainer: ModuleType) -> None:
+    """With every token in the subset and in the soft label, the reduced CE is the full CE, gradient too."""
+    head = trainer.build_head(setup["target"], init="target", seed=0)
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(12, 128, generator=gen)
+    tgt = torch.randn(12, 128, generator=gen).to(torch.bfloat16)
+    lm_head = head.lm_head_weight
+    logp = torch.log_softmax((tgt @ lm_head.T).float(), -1)
+    vals, ids = logp.topk(lm_head.shape[0], -1)
+    full = trainer.vocab_loss(out, tgt, lm_head, want_grad=True)
+    sub = trainer.subset_vocab_loss(out, ids.int(), vals, lm_head, torch.arange(512), want_grad=True)
+    assert sub[0] == pytest.approx(full[0], rel=1e-4)
+    torch.testing.assert_close(sub[1], full[1], atol=1e-4, rtol=1e-3)
+    assert sub[2:] == full[2:]
+
+
+def test_frequent_vocabulary_holds_the_targets_top_predictions(setup: dict, trainer: ModuleType) -> None:
+    """The reduced vocabulary is sorted, of the asked size, and led by the target's own top-1 tokens."""
+    from safetensors.torch import load_file
+
+    vocab = trainer.frequent_vocab(setup["fdir"], setup["shards"], 64, 512)
+    assert vocab.numel() == 64 and torch.equal(vocab, vocab.sort().values)
+    top1 = torch.cat([load_file(str(setup["fdir"] / s["file"]))["topk_ids"][:, 0] for s in setup["shards"]])
+    common = torch.bincount(top1.long(), minlength=512).argmax()
+    assert common in vocab
 
 
 def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: Path) -> None:
@@ -84,7 +120,8 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
     head = trainer.build_head(target, init="target", seed=0)
     before = trainer.evaluate(head, fdir, shards, batch_tokens=128)
-    cfg = trainer.TrainConfig(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0)
+    # The reduced-vocabulary CE (a third of the tiny vocabulary) still trains the head.
+    cfg = trainer.TrainConfig(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0, vocab_subset=160)
     ckpt = tmp_path / "ckpt.pt"
     history = trainer.train(head, fdir, shards, shards, cfg, checkpoint=ckpt, progress=False)
     after = history["eval"][-1]
@@ -136,6 +173,25 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     with torch.no_grad():
         mine = head(tokens, hidden, pos, [20])
     torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
+
+
+def test_distilled_replies_are_masked_and_held_out_ids_dropped(trainer: ModuleType, tmp_path: Path) -> None:
+    """distill_target.py's JSONL trains on the reply only, and never on a held-out prompt."""
+    from transformers import AutoTokenizer
+
+    from vllm_eagle2.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
+    path = tmp_path / "distilled.jsonl"
+    rows = [
+        {"id": i, "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        for i, q, a in (("a", "say hi", "hi there friend"), ("held", "secret prompt", "secret reply"))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seqs = trainer.load_distilled(tok, [path], 1000, exclude={"held"})
+    assert seqs.names == ["a"]
+    reply = tok.decode([t for t, m in zip(seqs.ids[0], seqs.masks[0]) if m])
+    assert "hi there friend" in reply and "say hi" not in reply
 
 
 def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) -> None:
