@@ -249,6 +249,20 @@ def run_engine(
     return run
 
 
+def eagle2_run(mode: str, head: Path, bs: int, m: int, d: int, k: int, sweep: bool = False) -> Run:
+    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k (``sweep``: a tree-size row)."""
+    spec = {
+        "method": "eagle2",
+        "model": str(head),
+        "num_speculative_tokens": m,
+        "depth": d,
+        "topk": k,
+        "tree": mode,
+    }
+    label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
+    return Run("sweep" if sweep else mode, label, bs, spec)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (or the shorter length), None when equal."""
     if a == b:
@@ -379,6 +393,17 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _setting_list(text: str) -> list[tuple[int, int, int]]:
+    """``"16:5:4,32:6:6"`` -> [(16, 5, 4), (32, 6, 6)] (m, depth, topk)."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError(f"{item!r} is not M:DEPTH:TOPK")
+        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -400,6 +425,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="eagle2 m (default 12 tiny, 16)")
     p.add_argument("--depth", type=int, default=None, help="eagle2 depth (default 4 tiny, 5)")
     p.add_argument("--topk", type=int, default=None, help="eagle2 topk (default 3 tiny, 4)")
+    p.add_argument(
+        "--sweep",
+        type=_setting_list,
+        default=[],
+        help="extra eagle2 dynamic runs at other tree sizes, as M:DEPTH:TOPK[,M:DEPTH:TOPK...] "
+        "(reported in their own table: which tree size wins on this machine)",
+    )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -468,16 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
                     plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
             else:
-                spec = {
-                    "method": "eagle2",
-                    "model": str(head),
-                    "num_speculative_tokens": m,
-                    "depth": d,
-                    "topk": k,
-                    "tree": mode,
-                }
-                label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
-                plan.append(Run(mode, label, bs, spec))
+                plan.append(eagle2_run(mode, head, bs, m, d, k))
+        plan += [eagle2_run("dynamic", head, bs, *setting, sweep=True) for setting in args.sweep]
         for run in plan:
             try:
                 runs.append(run_engine(run, model, prompts, args, ignore_eos=args.tiny))
@@ -497,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         eagle_rows = [r for r in rows if r["mode"] == "eagle" and r["tokens_per_s"]]
         best_eagle = max(eagle_rows, key=lambda r: r["tokens_per_s"]) if eagle_rows else None
         for r in rows:
+            if r["mode"] == "sweep":
+                continue
             if r["mode"] != "eagle" or r is best_eagle or best_eagle is None:
                 main_rows.append(r)
 
@@ -544,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if len(eagle_all) > len(batch_sizes):
         md += ["", "vLLM eagle, every k:", "", markdown_table(eagle_all, greedy)]
+    sweep = [r for r in all_rows if r["mode"] in ("sweep", "dynamic")]
+    if args.sweep:
+        md += ["", "eagle2 dynamic, tree sizes (m, depth, topk):", "", markdown_table(sweep, greedy)]
     plots = plot(results, out)
     md += ["", "Plots: " + ", ".join(Path(p).name for p in plots) if plots else ""]
     text = "\n".join(md) + "\n"

@@ -36,6 +36,24 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
             ],
         ),
         ("prepare_smollm2.py", ["--output", "--force"]),
+        (
+            "benchmark.py",
+            [
+                "--dataset",
+                "--num-prompts",
+                "--max-tokens",
+                "--temperature",
+                "--batch-sizes",
+                "--modes",
+                "--sweep",
+            ],
+        ),
+        ("profile_step.py", ["--num-speculative-tokens", "--depth", "--topk", "--batch-size", "--output"]),
+        (
+            "train_eagle_head.py",
+            ["--distilled", "--eval-distilled", "--vocab-subset", "--ce-weight", "--resume", "--seed"],
+        ),
+        ("distill_target.py", ["--source", "--num-prompts", "--skip", "--max-tokens", "--output"]),
     ],
 )
 def test_script_help(script: str, flags: list[str]) -> None:
@@ -80,3 +98,43 @@ def test_ci_run_is_executable_and_runs_the_readme_command() -> None:
     assert f"'{install.group(1)}'" in text
     assert "uninstall -q -y torchvision torchaudio torchcodec" in text
     assert subprocess.run(["bash", "-n", str(ci)], capture_output=True).returncode == 0
+
+
+def test_profile_step_breakdown_adds_up_on_the_tiny_pair(tmp_path: Path) -> None:
+    """Every timed part of an eagle2 step fires, none is negative, and they sum to the wall time."""
+    import json
+
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "profile_step.py"),
+            "--tiny",
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "16",
+            "--num-speculative-tokens",
+            "8",
+            "--depth",
+            "3",
+            "--topk",
+            "3",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base, tree = json.loads(out.read_text())["runs"]
+    for run in (base, tree):
+        total = sum(run["ms_per_step"].values()) * run["steps"] / 1000
+        assert total == pytest.approx(run["wall_seconds"], rel=0.02)
+        assert all(v >= -0.01 for v in run["ms_per_step"].values()), run["ms_per_step"]
+    assert all(tree["ms_per_step"][part] > 0 for part in tree["ms_per_step"]), tree["ms_per_step"]
+    assert base["ms_per_step"]["draft: expansion passes"] == 0
+    assert tree["tokens_per_step"] > 1.0 and base["tokens_per_step"] == pytest.approx(1.0, abs=0.05)
+    assert (out.with_suffix(".md")).read_text().count("|") > 20
