@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         # The tiny pair has its own 512-token vocabulary: seeded token ids, no dataset package needed.
         rng = random.Random(0)
-        prompts = [{"prompt_token_ids": [rng.randrange(6, 512) for _ in range(24)]} for _ in range(args.num_prompts)]
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(6, 512) for _ in range(24)]} for _ in range(args.num_prompts)
+        ]
         args.dataset = "random ids"
     else:
         prompts = load_prompts(args.dataset, args.model, args.num_prompts, chat=True)
