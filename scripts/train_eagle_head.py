@@ -62,6 +62,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,6 +71,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_eagle2 import draft_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -298,6 +301,17 @@ def load_distilled(
             out.masks.append(mask)
             out.names.append(item["id"])
     return out
+
+
+def write_token_ranking(out_dir: Path, seqs: Sequences, source: str) -> Path:
+    """``out_dir/draft_vocab.json``: the assistant-reply tokens of ``seqs``, most frequent first.
+
+    The plugin's ``draft_vocab_size: N`` drafts from the first N (see ``vllm_eagle2.draft_vocab``).
+    """
+    counts = Counter(t for ids, mask in zip(seqs.ids, seqs.masks) for t, m in zip(ids, mask) if m)
+    ranked = counts.most_common()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return draft_vocab.write_ranking(out_dir, [t for t, _ in ranked], [c for _, c in ranked], source)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1197,6 +1211,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="stop after the feature shards are written (e.g. before several training runs share them)",
     )
+    p.add_argument(
+        "--draft-vocab-only",
+        action="store_true",
+        help=f"only write {draft_vocab.FILE_NAME} (token ranking of the training replies) into --output",
+    )
     p.add_argument("--ce-weight", type=float, default=CE_WEIGHT, help="L = L_reg + w * L_cls (paper: 0.1)")
     p.add_argument(
         "--vocab-subset",
@@ -1266,6 +1285,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{train_set.num_masked} assistant; {len(distilled.ids)} of them distilled), "
         f"{len(eval_set.ids)} held-out ({eval_set.num_tokens} tokens) in {select_s:.1f} s"
     )
+    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+    ranking = write_token_ranking(
+        args.output, train_set, f"assistant tokens of the training data of: {command}"
+    )
+    log(f"token ranking for draft_vocab_size written to {ranking}")
+    if args.draft_vocab_only:
+        return 0
     fdir, manifest = extract_features(target, splits, args.feature_dir.resolve(), args.shard_tokens)
     extract_s = time.perf_counter() - t0 - select_s
     if args.extract_only:
@@ -1312,7 +1338,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
 
     record: dict[str, Any] = {
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+        "command": command,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "seed": args.seed,
         "target": str(target),

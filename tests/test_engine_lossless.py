@@ -8,11 +8,14 @@ at varied depths and branches: the pair that catches tree-mask and KV-compaction
 from __future__ import annotations
 
 import random
+import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from conftest import acceptance_length, run_llm
 
+from vllm_eagle2 import draft_vocab
 from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
@@ -137,6 +140,33 @@ def test_exact_head_accepts_the_whole_depth(models, prompts, knobs):
 def test_published_head_format_loads_and_is_exact(models, prompts):
     knobs = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
     _assert_full_depth(models, prompts, eagle2(models["published_head"], **knobs), knobs["depth"])
+
+
+def ranked_copy(head: Path, outputs: list[list[int]], dest: Path) -> tuple[Path, int]:
+    """``head`` with a draft_vocab.json ranking the tokens of ``outputs``; returns it and their count."""
+    ranked = Counter(t for row in outputs for t in row).most_common()
+    shutil.copytree(head, dest)
+    draft_vocab.write_ranking(dest, [t for t, _ in ranked], [c for _, c in ranked], "test")
+    return dest, len(ranked)
+
+
+def test_greedy_with_a_draft_vocabulary_equals_no_speculation(models, prompts, reference, tmp_path):
+    # The 64 most frequent output tokens: the head cannot even propose the others.
+    head, _ = ranked_copy(models["noisy"], reference["partial"], tmp_path / "ranked")
+    spec = eagle2(head, num_speculative_tokens=12, depth=4, topk=3, draft_vocab_size=64)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    assert acceptance_length(metrics) > 1.2
+
+
+def test_exact_head_with_a_draft_vocabulary_of_its_outputs_accepts_the_whole_depth(models, prompts, tmp_path):
+    # Positions in the draft vocabulary must map back to token ids on the way into the head and
+    # out to the verifier; a slip anywhere and the exact head's chains break at depth 1.
+    expected = tokens_of(run_llm(models["oracle"], None, prompts, greedy(1 + 8 * 5))[0])
+    head, size = ranked_copy(models["oracle_head"], expected, tmp_path / "ranked")
+    assert size < 512 // 2  # a real cut of the 512-token vocabulary
+    knobs = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain", draft_vocab_size=size)
+    _assert_full_depth(models, prompts, eagle2(head, **knobs), knobs["depth"])
 
 
 def _assert_full_depth(models, prompts, spec, depth):

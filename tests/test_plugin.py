@@ -25,12 +25,14 @@ from typing import Any
 
 import pytest
 
+from vllm_eagle2 import draft_vocab
 from vllm_eagle2.config import Eagle2ConfigError
 from vllm_eagle2.patches import unsupported_reason
 from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
 from vllm_eagle2.tree import TREE_MODES
 
 KNOBS = dict(num_speculative_tokens=12, depth=4, topk=3)
+RANKING = [(7 * i) % 500 + 6 for i in range(100)]  # distinct token ids, "most frequent" first
 #: A config is built in about 2 s here; loading weights would be the engine's job, much later.
 CONFIG_SECONDS = 30.0
 SUBPROCESS_SECONDS = 300
@@ -97,9 +99,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
     weights = truncated_head / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
+    # Token rankings for draft_vocab_size: 100 tokens; one naming a token past the vocabulary (512).
+    ranked_head = shutil.copytree(head, root / "ranked-head")
+    draft_vocab.write_ranking(ranked_head, RANKING, range(len(RANKING), 0, -1), "test")
+    bad_ranked_head = shutil.copytree(head, root / "bad-ranked-head")
+    draft_vocab.write_ranking(bad_ranked_head, [*RANKING, 9999], [1] * 101, "test")
+
     return {
         "target": target,
         "head": head,
+        "ranked_head": ranked_head,
+        "bad_ranked_head": bad_ranked_head,
         "narrow_head": narrow_head,
         "other_vocab_head": other_vocab_head,
         "truncated_head": truncated_head,
@@ -159,6 +169,13 @@ def test_config_carries_the_tree_settings(config):
     assert config.speculative_config.num_speculative_tokens == 12
 
 
+def test_config_reads_the_draft_vocabulary_from_the_head(models):
+    config = engine_config(models["target"], eagle2(models["ranked_head"], **KNOBS, draft_vocab_size=40))
+    settings = config.speculative_config.eagle2
+    assert settings.draft_vocab_size == 40
+    assert settings.draft_vocab_ids == tuple(RANKING[:40])
+
+
 def test_draft_model_is_the_eagle2_head_class(config):
     draft = config.speculative_config.draft_model_config
     assert draft.hf_config.architectures == ["Eagle2LlamaForCausalLM"]
@@ -196,6 +213,26 @@ INVALID = {
     "head of another hidden size": (KNOBS, "narrow_head", ["speculative_config.model", "hidden_size", "64"]),
     "head of another vocab": (KNOBS, "other_vocab_head", ["speculative_config.model", "vocab_size", "640"]),
     "truncated head weights": (KNOBS, "truncated_head", ["speculative_config.model", "truncated"]),
+    "draft vocabulary below topk": (
+        dict(KNOBS, draft_vocab_size=2),
+        "ranked_head",
+        ["speculative_config.draft_vocab_size", ">= topk (3)", "2"],
+    ),
+    "draft vocabulary without a ranking": (
+        dict(KNOBS, draft_vocab_size=64),
+        "head",
+        ["speculative_config.draft_vocab_size", "draft_vocab.json", "0"],
+    ),
+    "draft vocabulary past the ranking": (
+        dict(KNOBS, draft_vocab_size=200),
+        "ranked_head",
+        ["speculative_config.draft_vocab_size", "[topk, 100]", "200"],
+    ),
+    "ranking outside the vocabulary": (
+        dict(KNOBS, draft_vocab_size=101),
+        "bad_ranked_head",
+        ["speculative_config.model", "draft_vocab.json", "9999", "512"],
+    ),
 }
 
 

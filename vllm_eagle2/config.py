@@ -1,18 +1,19 @@
 """The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
 
 Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m,
-"depth": 6, "topk": 10, "tree": "dynamic"}``. vLLM's own config class rejects unknown
-keys, so the plugin pops ``depth``, ``topk`` and ``tree`` here, validates everything that
-can be checked without weights, and hands the rest to vLLM.
+"depth": 6, "topk": 10, "tree": "dynamic", "draft_vocab_size": 0}``. vLLM's own config
+class rejects unknown keys, so the plugin pops the eagle2 keys here, validates everything
+that can be checked without weights, and hands the rest to vLLM.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2 import draft_vocab
 from vllm_eagle2.tree import TREE_MODES, pool_size, tree_size
 
 #: The paper's defaults (7-8B targets): m = 60 verified nodes, 6 levels, top-10.
@@ -20,7 +21,7 @@ DEFAULT_DEPTH = 6
 DEFAULT_TOPK = 10
 DEFAULT_NUM_TOKENS = 60
 DEFAULT_TREE = "dynamic"
-EXTRA_KEYS = ("depth", "topk", "tree")
+EXTRA_KEYS = ("depth", "topk", "tree", "draft_vocab_size")
 
 
 class Eagle2ConfigError(ValueError):
@@ -34,12 +35,17 @@ class Eagle2Settings:
     num_tokens: tree nodes verified per step (the paper's m, vLLM's num_speculative_tokens).
     depth: draft levels; topk: children per expanded node and frontier width.
     tree: one of :data:`vllm_eagle2.tree.TREE_MODES`.
+    draft_vocab_size: draft from the head's N most frequent tokens (0: the whole vocabulary),
+    see :mod:`vllm_eagle2.draft_vocab`; draft_vocab_ids: those N token ids, read from the
+    head folder by the plugin (:func:`check_draft_vocab`).
     """
 
     num_tokens: int = DEFAULT_NUM_TOKENS
     depth: int = DEFAULT_DEPTH
     topk: int = DEFAULT_TOPK
     tree: str = DEFAULT_TREE
+    draft_vocab_size: int = 0
+    draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def nodes_per_step(self) -> int:
@@ -51,14 +57,6 @@ class Eagle2Settings:
         """KV slots the draft tree writes past a request's end (expanded frontier nodes)."""
         width = 1 if self.tree == "chain" else self.topk
         return (self.depth - 1) * width
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "num_speculative_tokens": self.num_tokens,
-            "depth": self.depth,
-            "topk": self.topk,
-            "tree": self.tree,
-        }
 
 
 def _int_field(name: str, value: Any, low: int, high: int | None = None) -> int:
@@ -86,7 +84,15 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
                 f"speculative_config.num_speculative_tokens must be in [1, {pool}] (the tree pool "
                 f"topk + (depth-1)*topk^2 for depth={depth}, topk={topk}); got {num_tokens}"
             )
-    return Eagle2Settings(num_tokens=num_tokens, depth=depth, topk=topk, tree=tree)
+    draft_vocab_size = _int_field("draft_vocab_size", spec.get("draft_vocab_size", 0), 0)
+    if 0 < draft_vocab_size < topk:
+        raise Eagle2ConfigError(
+            f"speculative_config.draft_vocab_size must be 0 (the whole vocabulary) or >= topk ({topk}); "
+            f"got {draft_vocab_size}"
+        )
+    return Eagle2Settings(
+        num_tokens=num_tokens, depth=depth, topk=topk, tree=tree, draft_vocab_size=draft_vocab_size
+    )
 
 
 def _read_config_json(path: Path, what: str) -> dict[str, Any]:
@@ -125,6 +131,33 @@ def check_head(head: Any, target_hidden_size: int | None, target_vocab_size: int
             f"{target_vocab_size}: {head}"
         )
     return head_tensor_names(path)
+
+
+def check_draft_vocab(head: Any, size: int, target_vocab_size: int | None) -> list[int]:
+    """The ``size`` token ids the head drafts from (its ``draft_vocab.json``, most frequent first).
+
+    Raises Eagle2ConfigError, before any weights load, when the file is missing or broken, ranks
+    fewer than ``size`` tokens, or names a token outside the target's vocabulary.
+    """
+    try:
+        ranking = draft_vocab.read_ranking(Path(str(head)).expanduser())
+    except ValueError as exc:
+        raise Eagle2ConfigError(
+            f"speculative_config.draft_vocab_size={size} needs the head's token ranking: {exc} "
+            "(write it with scripts/train_eagle_head.py --draft-vocab-only, or set draft_vocab_size to 0)"
+        ) from exc
+    if size > len(ranking):
+        raise Eagle2ConfigError(
+            f"speculative_config.draft_vocab_size must be in [topk, {len(ranking)}] for this head (its "
+            f"{draft_vocab.FILE_NAME} ranks {len(ranking)} tokens) or 0 (the whole vocabulary); got {size}"
+        )
+    chosen = ranking[:size]
+    if target_vocab_size is not None and max(chosen) >= target_vocab_size:
+        raise Eagle2ConfigError(
+            f"speculative_config.model: {draft_vocab.FILE_NAME} names token {max(chosen)}, outside the "
+            f"target's vocabulary of {target_vocab_size}: {head}"
+        )
+    return chosen
 
 
 def head_tensor_names(path: Path) -> set[str]:

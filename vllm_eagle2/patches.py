@@ -25,11 +25,12 @@ What is patched (vLLM 0.32, file:function):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import typing
 from typing import Any
 
-from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_head, parse_settings
+from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_draft_vocab, check_head, parse_settings
 
 logger = logging.getLogger("vllm_eagle2")
 
@@ -143,6 +144,16 @@ def _patch_config() -> None:
         head_names = check_head(
             spec.get("model"), target_model_config.get_hidden_size(), target_model_config.get_vocab_size()
         )
+        if settings.draft_vocab_size:
+            if self.tensor_parallel_size > 1:
+                raise Eagle2ConfigError(
+                    "speculative_config.draft_vocab_size must be 0 with tensor_parallel_size > 1 "
+                    f"(the draft vocabulary cuts an unsharded lm_head); got {settings.draft_vocab_size}"
+                )
+            ids = check_draft_vocab(
+                spec.get("model"), settings.draft_vocab_size, target_model_config.get_vocab_size()
+            )
+            settings = dataclasses.replace(settings, draft_vocab_ids=tuple(ids))
         vllm_spec = {key: value for key, value in spec.items() if key not in EXTRA_KEYS}
         vllm_spec["num_speculative_tokens"] = settings.nodes_per_step
         self.speculative_config = vllm_spec

@@ -25,6 +25,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2 import attention
 from vllm_eagle2.config import Eagle2Settings
+from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.kernels import pack_tree_mask
 from vllm_eagle2.tree import build_dynamic_tree
 
@@ -82,6 +83,7 @@ class Eagle2Proposer(EagleProposer):
         self.trees: TreeStore | None = None
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
+        self.draft_vocab: DraftVocab | None = None
 
     # -- model ---------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -90,6 +92,28 @@ class Eagle2Proposer(EagleProposer):
         attn_layers = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
         attention.wrap_attention_layers(attn_layers)
         self.target_attn_layer_names = set(attn_layers) - set(self._draft_attn_layer_names)
+        if self.settings.draft_vocab_ids:
+            self.draft_vocab = self._load_draft_vocab()
+
+    def _load_draft_vocab(self) -> DraftVocab:
+        weight = getattr(self.model.lm_head, "weight", None)
+        processor = self.model.logits_processor
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
+            raise RuntimeError("eagle2 draft_vocab_size needs an unquantized lm_head; set it to 0")
+        if getattr(processor, "soft_cap", None):
+            raise RuntimeError("eagle2 draft_vocab_size does not support logit soft-capping; set it to 0")
+        ids = torch.tensor(self.settings.draft_vocab_ids, dtype=torch.long)
+        return DraftVocab(ids, weight.detach(), scale=float(processor.scale))
+
+    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> [N, V] float32 draft log-probs; V = the draft vocabulary's size."""
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logprobs(hidden)
+        return self.model.compute_logits(hidden).float().log_softmax(-1)
+
+    def _token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary positions (-1 = padding) -> token ids."""
+        return draft_index if self.draft_vocab is None else self.draft_vocab.token_ids(draft_index)
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         # Profiling runs one pass per draft level, not one per verified node.
@@ -148,7 +172,7 @@ class Eagle2Proposer(EagleProposer):
             return [[] for _ in range(batch)]
 
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
-        root_logprobs = self.model.compute_logits(last_hidden[sample_idx]).float().log_softmax(-1)
+        root_logprobs = self._draft_logprobs(last_hidden[sample_idx])
         expander = _TreeExpander(self, cad, root_pos, hidden[sample_idx])
         tree = build_dynamic_tree(
             root_logprobs,
@@ -159,14 +183,15 @@ class Eagle2Proposer(EagleProposer):
             mode=self.settings.tree,
         )
         attention.set_tree_batch(None)
-        self.trees = TreeStore(req_ids=req_ids, tokens=tree.tokens, parents=tree.parents)
+        tokens = self._token_ids(tree.tokens)
+        self.trees = TreeStore(req_ids=req_ids, tokens=tokens, parents=tree.parents)
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
         n_out = min(num_speculative_tokens, tree.num_nodes)
         ok = expander.fits.cpu()
         if req_ids:
             ok &= self._eligible_rows(req_ids)
-        drafts = tree.tokens[:, :n_out].tolist()
+        drafts = tokens[:, :n_out].tolist()
         return [row if keep else [] for row, keep in zip(drafts, ok.tolist())]
 
     def _run_head(
@@ -280,10 +305,9 @@ class _TreeExpander:
             cad,
             num_tokens,
             first_pass=False,
-            input_ids=tokens.flatten(),
+            input_ids=self.p._token_ids(tokens).flatten(),
             positions=positions.flatten(),
             hidden_states=parent_hidden.flatten(0, 1),
         )
         self.parent_hidden = hidden.view(batch, k, -1)
-        logits = self.p.model.compute_logits(last_hidden)
-        return logits.float().log_softmax(-1).view(batch, k, -1)
+        return self.p._draft_logprobs(last_hidden).view(batch, k, -1)

@@ -1,0 +1,74 @@
+"""A reduced draft vocabulary: the head scores only the tokens the target emits most.
+
+The draft head shares the target's ``lm_head``; for SmolLM2 (hidden 576, 49,152 tokens) that
+matmul is about 85% of a head pass's FLOPs, and its log-softmax and top-k run over 49k columns
+for every expanded node. Drafts are only proposals: the verifier checks each one against the
+target's full distribution, and sampled verification treats them as point masses (it never
+reads the draft's probabilities). So scoring a subset changes how much is accepted, never what
+is emitted.
+
+``draft_vocab.json`` in the head folder ranks token ids by how often the target emits them
+(``scripts/train_eagle_head.py`` writes it from its training data); ``draft_vocab_size: N`` in
+``speculative_config`` drafts from the first N.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+FILE_NAME = "draft_vocab.json"
+
+
+def write_ranking(head: str | Path, token_ids: Sequence[int], counts: Sequence[int], source: str) -> Path:
+    """Write ``head/draft_vocab.json``: ``token_ids`` most frequent first, their ``counts``."""
+    if len(token_ids) != len(counts):
+        raise ValueError(f"{len(token_ids)} token ids but {len(counts)} counts")
+    path = Path(head) / FILE_NAME
+    path.write_text(
+        json.dumps(
+            {"source": source, "token_ids": [int(t) for t in token_ids], "counts": [int(c) for c in counts]}
+        )
+    )
+    return path
+
+
+def read_ranking(head: str | Path) -> list[int]:
+    """The ranked token ids of ``head/draft_vocab.json``; raises ValueError if absent or malformed."""
+    path = Path(head) / FILE_NAME
+    if not path.is_file():
+        raise ValueError(f"no {FILE_NAME} in {head}")
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a draft vocabulary ({exc})") from exc
+    if not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: token_ids must be distinct non-negative integers")
+    return ids
+
+
+class DraftVocab:
+    """The target's ``lm_head`` cut to a sorted subset of token ids.
+
+    ids: [V'] int64 token ids, ascending (so a subset that is the whole vocabulary scores
+    exactly like the full head). weight: [V', H] the matching rows of ``lm_head``.
+    """
+
+    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor, scale: float = 1.0) -> None:
+        self.ids = ids.long().sort().values.to(lm_head_weight.device)
+        self.weight = lm_head_weight.index_select(0, self.ids)
+        self.scale = scale
+
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> [N, V'] float32 log-probabilities over the subset."""
+        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits.float().log_softmax(-1)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Subset positions (any shape, int64, -1 = padding, kept) -> token ids."""
+        return torch.where(index >= 0, self.ids[index.clamp(min=0)], index)
