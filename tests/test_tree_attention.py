@@ -257,6 +257,23 @@ def test_torch_head_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(paged_tree_attention(*case.args(), backend="torch"), want, atol=0, rtol=0)
 
 
+def test_torch_plan_cache_keeps_indices_not_data() -> None:
+    """Every layer of a forward shares the index work (plan_cache); each layer's own data counts."""
+    case = make_case("cpu", requests=REQUESTS[:4], seed=6)
+    cache: dict = {}
+    got = paged_tree_attention(*case.args(), backend="torch", plan_cache=cache)
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+    assert cache, "the index work was not kept"
+    # The next layer: the same index tensors, other queries and other cache contents.
+    for view, logical in ((case.key_cache, case.keys), (case.value_cache, case.values)):
+        view.mul_(-2.0).add_(0.5)
+        for t in logical:
+            t.mul_(-2.0).add_(0.5)
+    case.query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(7))
+    got = paged_tree_attention(*case.args(), backend="torch", plan_cache=cache)
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+
+
 def test_out_argument_auto_backend_and_strided_out() -> None:
     case = make_case("cpu", requests=REQUESTS[:3], seed=5)
     want = reference(case)

@@ -14,7 +14,7 @@ accepted tree nodes can be moved into place afterwards with the backend's own wr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ class TreeBatch:
     region_lens: [R] int64, tokens in the region (visible through ``mask``).
     mask: [R, max_q, W] int32, packed visibility of region tokens per query.
     keep_kv: keep this forward's fresh K/V per layer for :func:`move_kv`.
+    plan_cache: handed to every layer's :func:`paged_tree_attention` call, which keeps the
+        index work that all layers of this forward share there (a new batch, a new cache).
     """
 
     rows: torch.Tensor
@@ -43,6 +45,7 @@ class TreeBatch:
     region_lens: torch.Tensor
     mask: torch.Tensor
     keep_kv: bool = False
+    plan_cache: dict = field(default_factory=dict)
 
 
 _batch: TreeBatch | None = None
@@ -95,6 +98,7 @@ def _tree_forward(
         batch.region_lens,
         batch.mask,
         impl.scale,
+        plan_cache=batch.plan_cache,
     )
     output.view(output.shape[0], num_heads, -1)[batch.rows] = out.to(output.dtype)
 
