@@ -105,7 +105,11 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     node_rows = row_start.unsqueeze(1) + 1 + torch.arange(tokens.shape[1], device=device)
     runner.positions[node_rows[valid]] = (root_pos.unsqueeze(1) + masks.depths[:, 1:] - 1)[valid]
 
-    spec = (n > 0).nonzero().squeeze(1)  # only requests with drafts take the tree path
+    # Only requests whose drafts branch take the tree-attention recompute: a chain's ancestors
+    # are exactly its predecessors, so vLLM's causal kernel is already right for it (and its
+    # accepted path never moves).
+    chain = ((parents == torch.arange(parents.shape[1], device=device) - 1) | ~valid).all(dim=1)
+    spec = ((n > 0) & ~chain).nonzero().squeeze(1)
     q = n[spec] + 1
     qsl = torch.zeros(spec.numel() + 1, dtype=torch.long, device=device)
     qsl[1:] = q.cumsum(0)
