@@ -320,8 +320,6 @@ class _TorchPlan:
     seen: [R, 1, max_q, 1] bool, the row sees at least one token (else its output is zero).
     """
 
-    num_queries: int
-    block_size: int
     req: torch.Tensor
     row: torch.Tensor
     blk: torch.Tensor
@@ -371,7 +369,7 @@ def _torch_plan(
         bits = (words >> (rel % _BITS).to(torch.int32)[:, None, :]) & 1
         vis = vis | (in_reg[:, None, :] & (bits != 0))
     visible = vis[:, None]
-    return _TorchPlan(q_total, bs, req, row, blk, off, visible, visible.any(-1, keepdim=True))
+    return _TorchPlan(req, row, blk, off, visible, visible.any(-1, keepdim=True))
 
 
 def _paged_tree_attention_torch(
@@ -724,7 +722,8 @@ def paged_tree_attention(
         plan_cache: optional dict owned by the caller, shared by calls whose index
             tensors (``block_table`` .. ``mask``) are the same, e.g. every layer of one
             forward: the torch backend validates and indexes them once and keeps the
-            result there (measured on CPU: 30 layer calls cost ~3x less).  Unused by Triton.
+            result there (measured on CPU, 30 layer calls of a 9-query tree over 400
+            context tokens: 24 ms -> 16 ms).  Unused by Triton.
 
     Returns:
         ``[Q, H, D]`` in the query's dtype (``out`` when given).

@@ -279,11 +279,12 @@ def report(setup: Setup, base: RunResult, eagle: RunResult, args: argparse.Names
         if a != b
     ]
     tau = eagle.acceptance_length
+    vocab = f" V={setup.draft_vocab}" if setup.draft_vocab else ""
     rows = [
         ["mode", "tokens/s", "acceptance length", "speedup", "identical to no-spec"],
         ["no speculation", f"{base.tokens_per_s:.1f}", "-", "1.00x", "(reference)"],
         [
-            f"eagle2 {args.tree} m={m} d={d} k={k}" + (f" V={vocab}" if (vocab := setup.draft_vocab) else ""),
+            f"eagle2 {args.tree} m={m} d={d} k={k}{vocab}",
             f"{eagle.tokens_per_s:.1f}",
             f"{tau:.2f}" if tau is not None else "n/a",
             f"{eagle.tokens_per_s / base.tokens_per_s:.2f}x",
