@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         done = {json.loads(x)["id"] for x in lines if x.strip()}
         rendered = [r for r in rendered if r[0] not in done]
         log(f"{len(done)} replies already in {args.output}; {len(rendered)} to go")
+    if not rendered:
+        return 0
 
     llm = LLM(
         model=str(target),
