@@ -5,7 +5,7 @@ matmul is about 85% of a head pass's FLOPs, and its log-softmax and top-k run ov
 for every expanded node. Drafts are only proposals: the verifier checks each one against the
 target's full distribution, and sampled verification treats them as point masses (it never
 reads the draft's probabilities). So scoring a subset changes how much is accepted, never what
-is emitted. (Measured on 2 CPU cores with SmolLM2 and N = 8,192: the same acceptance and 1.22-1.28x
+is emitted. (Measured on 2 CPU cores with SmolLM2 and N = 8,192: the same acceptance and 1.22-1.34x
 the tokens/s of drafting from the whole vocabulary, see the README's results.)
 
 ``draft_vocab.json`` in the head folder ranks token ids by how often the target emits them
