@@ -24,7 +24,7 @@ DATA=scratch/distill
 mkdir -p "$DATA"
 "$PY" scripts/distill_target.py --source mtbench --max-tokens 512 --seed "$SEED" --output "$DATA/mtbench.jsonl"
 # Two disjoint slices of the seeded prompt order, in two files so that each can be made in one sitting
-# and a larger data set keeps the first file (and its feature shards) as its prefix.
+# and a larger data set keeps the first file as its prefix.
 "$PY" scripts/distill_target.py --source sharegpt --num-prompts 2500 --max-tokens 384 --batch-size 128 \
     --seed "$SEED" --output "$DATA/sharegpt-seed$SEED.jsonl"
 "$PY" scripts/distill_target.py --source sharegpt --skip 2500 --num-prompts 3000 --max-tokens 384 \
