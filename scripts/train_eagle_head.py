@@ -30,7 +30,7 @@ Pipeline (one command, reproducible from ``--seed``):
    ``--train-depths N`` also trains drafting depths 2..N the way the drafter runs them, on the head's
    own output features over the cache the target's features built (EAGLE-3's training-time test,
    ``EagleHead.forward_unrolled``); a head trained teacher-forced only drifts on its own features
-   (measured: 48.7% top-1 at depth 1, 28.0% at depth 2). ``--init-from HEAD`` starts from a trained
+   (measured: 48.6% top-1 at depth 1, 28.0% at depth 2). ``--init-from HEAD`` starts from a trained
    head, so this can run as a fine-tuning stage.
 5. AdamW, linear warm-up then cosine decay, gradient clipping; a tqdm bar shows loss and running
    top-1 / top-5 agreement; after every epoch the held-out set is evaluated (teacher-forced: how often
