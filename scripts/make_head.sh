@@ -31,17 +31,16 @@ mkdir -p "$DATA"
     --seed "$SEED" --output "$DATA/sharegpt-seed$SEED.jsonl"
 "$PY" scripts/distill_target.py --source sharegpt --skip 2500 --num-prompts 3000 --max-tokens 384 \
     --batch-size 128 --seed "$SEED" --output "$DATA/sharegpt-seed$SEED-part2.jsonl"
-"$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" \
-    --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048 \
-    --distilled "$DATA/sharegpt-seed$SEED.jsonl" "$DATA/sharegpt-seed$SEED-part2.jsonl" \
-    --eval-distilled "$DATA/mtbench.jsonl" --epochs 5 --lr 1e-3 --min-lr-ratio 0.05 --ce-weight 0.1 --resume "$@"
+# Both training stages: the same data, held-out sets, batches and loss (and any extra flags given).
+TRAIN=("$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --resume
+    --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048
+    --distilled "$DATA/sharegpt-seed$SEED.jsonl" "$DATA/sharegpt-seed$SEED-part2.jsonl"
+    --eval-distilled "$DATA/mtbench.jsonl" --min-lr-ratio 0.05 --ce-weight 0.1)
+"${TRAIN[@]}" --epochs 5 --lr 1e-3 "$@"
 # Stage 2: one epoch more from that head, now also on drafting depths 2 and 3 with the head reading its
 # own features (EAGLE-3's training-time test): the teacher-forced head drifts at depth 2 and beyond.
 cp "$OUT/training.json" "$OUT/training-stage1.json"
-"$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --init-from "$OUT" --train-depths 3 \
-    --num-conversations 600 --eval-conversations 24 --max-tokens-per-conversation 512 --batch-tokens 2048 \
-    --distilled "$DATA/sharegpt-seed$SEED.jsonl" "$DATA/sharegpt-seed$SEED-part2.jsonl" \
-    --eval-distilled "$DATA/mtbench.jsonl" --epochs 1 --lr 3e-4 --min-lr-ratio 0.05 --ce-weight 0.1 --resume "$@"
+"${TRAIN[@]}" --init-from "$OUT" --train-depths 3 --epochs 1 --lr 3e-4 "$@"
 # The token ranking for draft_vocab_size (draft_vocab.json): from more conversations than training
 # uses (tokenizing only, 1.5 min); it replaces the ranking the training run wrote.
 "$PY" scripts/train_eagle_head.py --seed "$SEED" --output "$OUT" --num-conversations 6000 \

@@ -657,11 +657,10 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             cos, sin = self.rotary(emb[None], positions[None].long())
         cos, sin = cos[0].float(), sin[0].float()
+        # row r-1 of the same sequence; a sequence's first row reads itself
         prev = torch.arange(tokens.numel(), device=tokens.device) - 1
-        start = 0
-        for n in seq_lens:  # row r-1 of the same sequence; a sequence's first row reads itself
-            prev[start] = start
-            start += n
+        starts = torch.tensor([0, *seq_lens], device=tokens.device).cumsum(0)[: len(seq_lens)]
+        prev[starts] = starts
         feats = hidden.float()
         outs: list[torch.Tensor] = []
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -932,7 +931,6 @@ def batch_loss(
     ce_weight: float = CE_WEIGHT,
     vocab: torch.Tensor | None = None,
     depths: int = 1,
-    depth_decay: float = UNROLL_DECAY,
 ) -> StepStats:
     """Forward (and, if ``train``, backward into the head's .grad) of one batch; returns its stats.
 
@@ -941,7 +939,7 @@ def batch_loss(
     (EAGLE's robustness trick; 0 = off). With ``vocab`` (and the batch's stored target top-K) the CE runs
     over a reduced vocabulary (:func:`subset_vocab_loss`); without, over the whole vocabulary.
     ``depths`` > 1 unrolls the head on its own features (:meth:`EagleHead.forward_unrolled`): depth s
-    adds ``depth_decay ** (s - 1)`` times its own mean loss, and its top-1 hits to the stats.
+    adds ``UNROLL_DECAY ** (s - 1)`` times its own mean loss, and its top-1 hits to the stats.
     """
     hidden_in = batch.hidden_in.float()
     if train and feature_noise > 0:
@@ -976,7 +974,7 @@ def batch_loss(
                 assert grad is not None
                 # d/d out of sum(CE) is `grad`, so <out, grad> is a surrogate with the right gradient.
                 surrogate = (
-                    surrogate + depth_decay ** (depth - 1) * (reg + ce_weight * (out_m * grad).sum()) / n
+                    surrogate + UNROLL_DECAY ** (depth - 1) * (reg + ce_weight * (out_m * grad).sum()) / n
                 )
             if depth == 1:
                 stats.rows, stats.reg, stats.ce = n, float(reg.detach()), ce
@@ -1104,7 +1102,6 @@ class TrainConfig:
     ce_weight: float = CE_WEIGHT
     vocab_subset: int = 0  # 0: CE over the whole vocabulary; else see subset_vocab_loss
     depths: int = 1  # train depths 1..depths on the head's own features (batch_loss); 1 = teacher forcing
-    depth_decay: float = UNROLL_DECAY
     seed: int = 0
     save_every_minutes: float = 5.0
     max_minutes: float | None = None
@@ -1244,7 +1241,6 @@ def train(
                 ce_weight=cfg.ce_weight,
                 vocab=vocab,
                 depths=cfg.depths,
-                depth_decay=cfg.depth_decay,
             )
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if stats.rows else 0.0
             if stats.rows:
@@ -1522,7 +1518,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.train_depths > 1
             else ""
         ),
-        "init_from": str(args.init_from) if args.init_from else None,
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
         "timings_seconds": {
             "select_and_tokenize": round(select_s, 1),
