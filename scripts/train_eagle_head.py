@@ -20,6 +20,8 @@ Pipeline (one command, reproducible from ``--seed``):
    with no final norm. Embedding and ``lm_head`` are the target's, frozen. Init: ``layers.0`` is a copy
    of the target's last decoder layer with its two output projections scaled by 0.1, ``fc = [0 | I]``,
    so the head starts near "output = input feature" (``--init random``: fresh normal init).
+   ``--num-layers N`` stacks N layers (the later ones with an input norm, as vLLM builds them; they
+   start as the identity, so ``--init-from`` a smaller head grows it without changing its outputs).
 4. Loss (EAGLE paper): smooth-L1 regression of the head output to the target's next hidden state
    ``z_{i+1}`` plus ``0.1 x`` cross-entropy against the target's next-token distribution
    ``softmax(lm_head(z_{i+1}))``, averaged over positions whose predicted token lies in an assistant
@@ -38,12 +40,12 @@ Pipeline (one command, reproducible from ``--seed``):
    top-5 / top-10; and the top-1 at depths 2-3, where the head reads its own features). Checkpoints
    (head, optimizer, schedule, position in the epoch) are written every ``--save-every-minutes`` and
    at every epoch end; ``--resume`` continues from the last one exactly.
-6. Output folder: ``config.json`` (``LlamaConfig``, ``num_hidden_layers=1``,
+6. Output folder: ``config.json`` (``LlamaConfig``, ``num_hidden_layers`` = ``--num-layers``,
    ``architectures=["LlamaForCausalLM"]``, the target's other fields), ``model.safetensors`` with
    ``fc.weight`` [H, 2H] (+ ``fc.bias`` with ``--fc-bias``: loadable by the eagle2 plugin's head, not by
-   vLLM's built-in ``eagle``) and ``layers.0.*`` (no ``input_layernorm``, no ``embed_tokens``, no
-   ``lm_head``: vLLM shares the target's), and ``training.json`` (command, seed, data sizes, timings,
-   held-out metrics per epoch).
+   vLLM's built-in ``eagle``) and ``layers.0.*`` (no ``input_layernorm``; ``layers.1.*`` .. with one),
+   no ``embed_tokens``, no ``lm_head`` (vLLM shares the target's); and ``training.json`` (command, seed,
+   data sizes, timings, held-out metrics per epoch).
 
 Set-up::
 
@@ -583,10 +585,16 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    """Llama decoder layer without input norm (EAGLE): r = x + attn(x); out = r + mlp(norm(r))."""
+    """Llama decoder layer: r = x + attn(in_norm(x)); out = r + mlp(norm(r)).
 
-    def __init__(self, cfg: Any) -> None:
+    The first layer of an EAGLE head has no input norm (``in_norm`` = identity), as in vLLM's head;
+    later layers have one (vLLM builds ``input_layernorm`` for every layer but the first).
+    """
+
+    def __init__(self, cfg: Any, input_norm: bool = False) -> None:
         super().__init__()
+        if input_norm:
+            self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
@@ -600,7 +608,8 @@ class _Layer(nn.Module):
         past: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One layer over packed sequences; returns (out, this step's attention (k, v))."""
-        attn, kv = self.self_attn(x, cos, sin, seq_lens, past)
+        normed = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        attn, kv = self.self_attn(normed, cos, sin, seq_lens, past)
         residual = x + attn
         return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
@@ -619,7 +628,7 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         self.config = cfg
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
-        self.layers = nn.ModuleList([_Layer(cfg)])
+        self.layers = nn.ModuleList([_Layer(cfg, input_norm=i > 0) for i in range(cfg.num_hidden_layers)])
         self.register_buffer("embed_weight", embed.detach().clone(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head.detach().to(torch.bfloat16), persistent=False)
         self.rotary = LlamaRotaryEmbedding(cfg)
@@ -663,17 +672,19 @@ class EagleHead(nn.Module):
         prev[starts] = starts
         feats = hidden.float()
         outs: list[torch.Tensor] = []
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]  # per layer, per step
         for _ in range(steps):
-            out, kv = self.layers[0](self.fc(torch.cat([emb, feats], -1)), cos, sin, seq_lens, past)
+            out = self.fc(torch.cat([emb, feats], -1))
+            for layer, layer_past in zip(self.layers, past):
+                out, kv = layer(out, cos, sin, seq_lens, layer_past)
+                layer_past.append(kv)
             outs.append(out)
-            past.append(kv)
             feats = out.index_select(0, prev)
         return outs
 
 
-def head_config(target_cfg: Any) -> Any:
-    """The head's ``LlamaConfig``: the target's, with one layer and the Llama architecture name."""
+def head_config(target_cfg: Any, num_layers: int = 1) -> Any:
+    """The head's ``LlamaConfig``: the target's, with ``num_layers`` layers and the Llama architecture."""
     from transformers import LlamaConfig
 
     d = target_cfg.to_dict()
@@ -681,22 +692,26 @@ def head_config(target_cfg: Any) -> Any:
         d.pop(key, None)
     d["model_type"] = "llama"
     cfg = LlamaConfig(**d)
-    cfg.num_hidden_layers = 1
+    cfg.num_hidden_layers = num_layers
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.tie_word_embeddings = False
     return cfg
 
 
-def build_head(target_dir: Path, *, init: str = "target", fc_bias: bool = False, seed: int = 0) -> EagleHead:
-    """Head for ``target_dir``: ``init="target"`` copies its last layer (``o_proj`` and ``down_proj``
-    scaled by 0.1) and sets ``fc = [0 | I]``.
+def build_head(
+    target_dir: Path, *, init: str = "target", fc_bias: bool = False, seed: int = 0, num_layers: int = 1
+) -> EagleHead:
+    """Head for ``target_dir``: ``init="target"`` copies its last layer into every head layer and sets
+    ``fc = [0 | I]``; the first layer's ``o_proj`` and ``down_proj`` are scaled by 0.1, later layers'
+    are zero (each later layer starts as the identity, so a head grown from a trained one by
+    :func:`load_head_weights` starts with that head's outputs).
 
     ``init="random"`` draws every weight from N(0, 1/fan_in) (norm weight 1, biases 0).
     """
     from transformers import AutoConfig
 
     tcfg = AutoConfig.from_pretrained(str(target_dir))
-    cfg = head_config(tcfg)
+    cfg = head_config(tcfg, num_layers)
     embed, lm_head = frozen_target_weights(target_dir)
     torch.manual_seed(seed)
     head = EagleHead(cfg, embed, lm_head, fc_bias=fc_bias)
@@ -710,28 +725,40 @@ def build_head(target_dir: Path, *, init: str = "target", fc_bias: bool = False,
         if init == "target":
             last = tcfg.num_hidden_layers - 1
             prefix = f"model.layers.{last}."
-            wanted = [prefix + k for k, _ in head.layers[0].named_parameters()]
+            wanted = [prefix + k for k, _ in head.layers[-1].named_parameters()]
             sd = load_target_tensors(target_dir, wanted)
-            for k, p in head.layers[0].named_parameters():
-                if prefix + k in sd:
-                    p.copy_(sd[prefix + k].float())
+            for layer in head.layers:
+                for k, p in layer.named_parameters():
+                    if prefix + k in sd:
+                        p.copy_(sd[prefix + k].float())
             # fc = [0 | I] and damped branches: the head starts close to "output = z_i" and learns the step
             # to z_{i+1} (measured: learns top-1 faster than a random init or fc = [I | I] / 2).
             head.fc.weight.zero_()
             head.fc.weight[:, h:].copy_(torch.eye(h))
             head.layers[0].self_attn.o_proj.weight.mul_(0.1)
             head.layers[0].mlp.down_proj.weight.mul_(0.1)
+            for layer in head.layers[1:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
         elif init != "random":
             raise ValueError(f"unknown init {init!r}")
     return head
 
 
 def load_head_weights(head: EagleHead, head_dir: Path) -> None:
-    """Copy the weights of an exported head (``head_dir``/model.safetensors) into ``head``."""
+    """Copy the weights of an exported head (``head_dir``/model.safetensors) into ``head``.
+
+    ``head`` may have more layers than the saved head (growing it): the extra layers keep their
+    initialisation. Any other mismatch is an error.
+    """
     from safetensors.torch import load_file
 
     sd = load_file(str(head_dir / "model.safetensors"))
     missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+    saved_layers = {int(k.split(".")[1]) for k in sd if k.startswith("layers.")}
+    missing = [
+        k for k in missing if not (k.startswith("layers.") and int(k.split(".")[1]) not in saved_layers)
+    ]
     if missing or unexpected:
         raise SystemExit(
             f"error: {head_dir} does not fit this target's head: missing {missing}, extra {unexpected}"
@@ -1344,6 +1371,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also train drafting depths 2..N on the head's own features (EAGLE-3's training-time test; "
         f"depth s weighted {UNROLL_DECAY}^(s-1); 1 = teacher forcing only)",
     )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=1,
+        help="decoder layers in the head (EAGLE: 1); with --init-from a head of fewer layers, the extra "
+        "layers start as the identity",
+    )
     p.add_argument("--fc-bias", action="store_true", help="give fc a bias (eagle2 plugin head only)")
     p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
@@ -1441,7 +1475,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
         return 0
 
-    head = build_head(target, init=args.init, fc_bias=args.fc_bias, seed=args.seed)
+    head = build_head(
+        target, init=args.init, fc_bias=args.fc_bias, seed=args.seed, num_layers=args.num_layers
+    )
     if args.init_from is not None:
         load_head_weights(head, args.init_from)
     eval_shards = manifest["splits"]["eval"]["shards"]
@@ -1469,7 +1505,9 @@ def main(argv: list[str] | None = None) -> int:
     # (Time budgets are left out: a resumed run may be given more minutes.)
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
     init = str(args.init_from.resolve()) if args.init_from else args.init
-    setting = hashlib.sha256(json.dumps([fields, init, args.fc_bias]).encode()).hexdigest()[:8]
+    setting = hashlib.sha256(json.dumps([fields, init, args.fc_bias, args.num_layers]).encode()).hexdigest()[
+        :8
+    ]
     checkpoint = fdir / f"checkpoint-seed{args.seed}-{setting}.pt"
     init_eval: dict[str, Any] | None = None
     previous = args.output / "training.json"

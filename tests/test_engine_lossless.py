@@ -42,6 +42,7 @@ def tokens_of(outputs) -> list[list[int]]:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine_models")
     partial_target, noisy_head = build_pair(root / "partial", "partial", seed=0)
+    noisy_2l = build_eagle_head(root / "noisy-2l", partial_target, kind="noisy", seed=0, num_layers=2)
     oracle_target, oracle_head = build_pair(root / "oracle", "oracle", seed=0)
     # A head as EAGLE-1/EAGLE-2 publish them: fc with a bias, no embed_tokens (the target's is used).
     published_head = build_eagle_head(
@@ -55,6 +56,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "random_head": random_head,
         "partial": partial_target,
         "noisy": noisy_head,
+        "noisy_2l": noisy_2l,
         "oracle": oracle_target,
         "oracle_head": oracle_head,
         "published_head": published_head,
@@ -90,6 +92,30 @@ def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, k
     assert tokens_of(outputs) == reference["partial"]
     tau = acceptance_length(metrics)
     assert 1.2 < tau < knobs["depth"] + 1  # partly accepted trees, not all-or-nothing
+
+
+def test_greedy_with_a_two_layer_head_equals_no_speculation(models, prompts, reference):
+    # Each draft layer has its own paged KV cache and reads the tree mask: both must hold up.
+    spec = eagle2(models["noisy_2l"], num_speculative_tokens=12, depth=4, topk=3)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    assert acceptance_length(metrics) > 1.2
+
+
+@pytest.mark.parametrize("head", ["noisy", "noisy_2l"])
+def test_chain_drafts_exactly_what_vllms_eagle_drafts(models, prompts, head):
+    # Same head, same greedy chain: the accepted count at every draft position must match vLLM's
+    # own EAGLE step for step (a draft layer that read a stale or wrong KV entry would not).
+    def accepted_per_position(spec: dict) -> list[int]:
+        _, metrics = run_llm(models["partial"], spec, prompts, greedy())
+        return metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+
+    k = 3
+    vllm_eagle = {"method": "eagle", "model": str(models[head]), "num_speculative_tokens": k}
+    chain = eagle2(models[head], num_speculative_tokens=k, depth=k, topk=1, tree="chain")
+    expected = accepted_per_position(vllm_eagle)
+    assert 0 < expected[-1] < expected[0]  # partly accepted chains
+    assert accepted_per_position(chain) == expected
 
 
 def test_greedy_on_a_random_target_equals_no_speculation(models, prompts):

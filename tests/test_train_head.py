@@ -184,6 +184,48 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
 
 
+def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
+    setup: dict, trainer: ModuleType, tmp_path: Path
+) -> None:
+    """Layer 1 has an input norm (vLLM builds one for every layer but the first) and reads layer 0."""
+    from safetensors.torch import load_file
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    head = trainer.build_head(setup["target"], init="random", seed=3, num_layers=2)
+    out = trainer.export_head(head, tmp_path / "head", dtype=torch.float32)
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert "layers.1.input_layernorm.weight" in keys and "layers.0.input_layernorm.weight" not in keys
+    eagle = EAGLEConfig(get_config(str(out), trust_remote_code=False), method="eagle", model_type="eagle")
+    assert eagle.model.num_hidden_layers == 2
+    ref = EagleHeadReference.load(out, setup["target"])
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden = torch.randint(6, 512, (20,), generator=gen), torch.randn(20, 128, generator=gen)
+    with torch.no_grad():
+        mine = head(tokens, hidden, torch.arange(20), [20])
+    torch.testing.assert_close(mine, ref.forward(tokens, hidden), atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_grown_by_a_layer_starts_with_the_smaller_heads_outputs(
+    setup: dict, trainer: ModuleType, tmp_path: Path
+) -> None:
+    """--num-layers 2 --init-from a 1-layer head: the new layer starts as the identity, at every depth."""
+    small = trainer.build_head(setup["target"], init="random", seed=4)
+    out = trainer.export_head(small, tmp_path / "small", dtype=torch.float32)
+    grown = trainer.build_head(setup["target"], init="target", seed=0, num_layers=2)
+    trainer.load_head_weights(grown, out)
+    gen = torch.Generator().manual_seed(6)
+    tokens, hidden = torch.randint(6, 512, (16,), generator=gen), torch.randn(16, 128, generator=gen)
+    args = (tokens, hidden, torch.arange(16), [16], 3)
+    with torch.no_grad():
+        for a, b in zip(small.forward_unrolled(*args), grown.forward_unrolled(*args)):
+            torch.testing.assert_close(a, b)
+    # Fewer layers than the saved head is a mismatch, not a silent truncation.
+    two = trainer.export_head(grown, tmp_path / "two", dtype=torch.float32)
+    with pytest.raises(SystemExit, match="extra"):
+        trainer.load_head_weights(trainer.build_head(setup["target"], init="random", seed=0), two)
+
+
 def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
     setup: dict, trainer: ModuleType
 ) -> None:

@@ -339,18 +339,20 @@ def build_eagle_head(
     seed: int = 0,
     with_fc_bias: bool = False,
     include_embed: bool = True,
+    num_layers: int = 1,
 ) -> Path:
     """Build an EAGLE-1 head for ``target_dir`` in vLLM's ``eagle`` checkpoint format.
 
-    Files: ``config.json`` (a ``LlamaConfig`` with ``num_hidden_layers=1``,
+    Files: ``config.json`` (a ``LlamaConfig`` with ``num_hidden_layers=num_layers``,
     ``architectures=["LlamaForCausalLM"]``, the target's other dimensions; vLLM's ``EAGLEConfig`` turns the
     architecture into ``EagleLlamaForCausalLM``) and ``model.safetensors`` with keys (no ``model.`` prefix):
     ``embed_tokens.weight`` [V, H] (a copy of the target's, so vLLM shares it; left out if not
     ``include_embed``), ``fc.weight`` [H, 2H] acting on ``cat(embedding, target_hidden)``, ``fc.bias`` [H]
     if ``with_fc_bias`` (vLLM's built-in head cannot load it: for the plugin's own head class only),
     ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.post_attention_layernorm.weight``,
-    ``layers.0.mlp.{gate,up,down}_proj.weight``. No ``input_layernorm``, no final norm, no ``lm_head``
-    (vLLM shares the target's).
+    ``layers.0.mlp.{gate,up,down}_proj.weight``. No ``input_layernorm`` in layer 0, no final norm, no
+    ``lm_head`` (vLLM shares the target's). Layers 1.. (``num_layers`` > 1) are full Llama layers, with
+    ``input_layernorm``.
 
     Args:
         out_dir: output folder (created).
@@ -364,6 +366,8 @@ def build_eagle_head(
         seed: seeds q/k/v and the noise.
         with_fc_bias: add ``fc.bias`` (zeros for "oracle", noise for "noisy", random for "random").
         include_embed: write ``embed_tokens.weight``.
+        num_layers: decoder layers; for "oracle" and "noisy" the layers after the first start as the
+            identity (``o_proj`` and ``down_proj`` zero) before any noise, so the oracle stays exact.
 
     Returns:
         ``out_dir`` as a Path.
@@ -382,6 +386,9 @@ def build_eagle_head(
 
     layer = _layer_weights(gen, "layers.0.", h, inter, n_heads, n_kv, 1.0, 1.0)
     del layer["layers.0.input_layernorm.weight"]
+    branch_scale = 1.0 if kind == "random" else 0.0
+    for i in range(1, num_layers):
+        layer.update(_layer_weights(gen, f"layers.{i}.", h, inter, n_heads, n_kv, branch_scale, branch_scale))
     sd: dict[str, torch.Tensor] = {}
     if kind == "random":
         sd["fc.weight"] = _normal(gen, (h, 2 * h), 1 / math.sqrt(2 * h))
@@ -409,7 +416,7 @@ def build_eagle_head(
     cfg = _llama_config(
         vocab_size=tcfg["vocab_size"],
         hidden_size=h,
-        num_layers=1,
+        num_layers=num_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         intermediate_size=inter,
@@ -465,6 +472,7 @@ class EagleHeadReference:
 
     sd: dict[str, torch.Tensor]
     lm_head: torch.Tensor
+    num_layers: int
     num_heads: int
     num_kv_heads: int
     eps: float
@@ -482,6 +490,7 @@ class EagleHeadReference:
         return cls(
             sd=sd,
             lm_head=tsd["lm_head.weight"].float(),
+            num_layers=cfg["num_hidden_layers"],
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg["num_key_value_heads"],
             eps=cfg["rms_norm_eps"],
@@ -492,18 +501,29 @@ class EagleHeadReference:
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Head output [T, H] for tokens [T] (token i+1 of the sequence) and target hidden [T, H] (of i)."""
-        sd, p = self.sd, "layers.0."
-        t = input_ids.shape[0]
+        sd = self.sd
         if positions is None:
-            positions = torch.arange(t)
+            positions = torch.arange(input_ids.shape[0])
         x = torch.cat([sd["embed_tokens.weight"][input_ids], hidden.float()], -1) @ sd["fc.weight"].T
         if "fc.bias" in sd:
             x = x + sd["fc.bias"]
-        h = x.shape[-1]
+        for i in range(self.num_layers):
+            x = self._layer(x, positions, f"layers.{i}.")
+        return x
+
+    def _layer(self, x: torch.Tensor, positions: torch.Tensor, p: str) -> torch.Tensor:
+        """One causal decoder layer over x [T, H]; the first layer has no ``input_layernorm``."""
+        sd = self.sd
+        t, h = x.shape
         d = h // self.num_heads
-        q = (x @ sd[p + "self_attn.q_proj.weight"].T).view(t, self.num_heads, d)
-        k = (x @ sd[p + "self_attn.k_proj.weight"].T).view(t, self.num_kv_heads, d)
-        v = (x @ sd[p + "self_attn.v_proj.weight"].T).view(t, self.num_kv_heads, d)
+        normed = (
+            _rms_norm(x, sd[p + "input_layernorm.weight"], self.eps)
+            if p + "input_layernorm.weight" in sd
+            else x
+        )
+        q = (normed @ sd[p + "self_attn.q_proj.weight"].T).view(t, self.num_heads, d)
+        k = (normed @ sd[p + "self_attn.k_proj.weight"].T).view(t, self.num_kv_heads, d)
+        v = (normed @ sd[p + "self_attn.v_proj.weight"].T).view(t, self.num_kv_heads, d)
         q, k = _rope(q, positions, self.rope_theta), _rope(k, positions, self.rope_theta)
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
