@@ -1505,9 +1505,8 @@ def main(argv: list[str] | None = None) -> int:
     # (Time budgets are left out: a resumed run may be given more minutes.)
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
     init = str(args.init_from.resolve()) if args.init_from else args.init
-    setting = hashlib.sha256(json.dumps([fields, init, args.fc_bias, args.num_layers]).encode()).hexdigest()[
-        :8
-    ]
+    key = json.dumps([fields, init, args.fc_bias, args.num_layers])
+    setting = hashlib.sha256(key.encode()).hexdigest()[:8]
     checkpoint = fdir / f"checkpoint-seed{args.seed}-{setting}.pt"
     init_eval: dict[str, Any] | None = None
     previous = args.output / "training.json"
