@@ -593,8 +593,8 @@ class _Layer(nn.Module):
 
     def __init__(self, cfg: Any, input_norm: bool = False) -> None:
         super().__init__()
-        if input_norm:
-            self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        # nn.Identity has no weight, so the first layer's checkpoint has no input_layernorm (vLLM's neither)
+        self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
@@ -608,8 +608,7 @@ class _Layer(nn.Module):
         past: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One layer over packed sequences; returns (out, this step's attention (k, v))."""
-        normed = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        attn, kv = self.self_attn(normed, cos, sin, seq_lens, past)
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, past)
         residual = x + attn
         return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
