@@ -7,7 +7,8 @@ The same prompts go through, one engine after another (each shut down before the
   ``--eagle-k`` (default 1..6); the table shows the fastest, the JSON all of them;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
   (``--num-speculative-tokens`` m, ``--depth``, ``--topk``; ``--draft-vocab N`` drafts from the head's
-  N most frequent tokens). ``--sweep M:D:K[:V],...`` adds dynamic runs at other settings.
+  N most frequent tokens). ``--sweep [MODE:]M:D:K[:V],...`` adds tree runs at other settings
+  (``dynamic`` unless a mode is named, e.g. ``static:60:3:10`` for a static tree at its own best depth).
 
 Per mode: mean acceptance length tau = 1 + accepted / drafts (tokens per target pass, from vLLM's
 counters ``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_tokens``, read with
@@ -398,14 +399,19 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _setting_list(text: str) -> list[tuple[int, ...]]:
-    """``"16:5:4,32:6:6:8192"`` -> [(16, 5, 4), (32, 6, 6, 8192)] (m, depth, topk[, draft vocab])."""
+def _setting_list(text: str) -> list[tuple[str, int, int, int, int]]:
+    """``"16:5:4,static:60:3:10:8192"`` -> [("dynamic", 16, 5, 4, 0), ("static", 60, 3, 10, 8192)]
+    (tree mode, m, depth, topk, draft vocab; mode ``dynamic`` and draft vocab 0 unless given)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) not in (3, 4):
-            raise argparse.ArgumentTypeError(f"{item!r} is not M:DEPTH:TOPK[:DRAFT_VOCAB]")
-        out.append(tuple(int(x) for x in parts))
+        mode = parts.pop(0) if parts and parts[0] in TREE_MODES else "dynamic"
+        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not [MODE:]M:DEPTH:TOPK[:DRAFT_VOCAB] (MODE one of {', '.join(TREE_MODES)})"
+            )
+        m, d, k, *vocab = (int(x) for x in parts)
+        out.append((mode, m, d, k, vocab[0] if vocab else 0))
     return out
 
 
@@ -434,8 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep",
         type=_setting_list,
         default=[],
-        help="extra eagle2 dynamic runs at other tree sizes, as M:DEPTH:TOPK[:DRAFT_VOCAB],... "
-        "(reported in their own table: which tree size wins on this machine)",
+        help="extra eagle2 runs at other tree settings, as [MODE:]M:DEPTH:TOPK[:DRAFT_VOCAB],... "
+        "(MODE dynamic unless named; reported in their own table: which tree size wins on this machine)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -512,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                     plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
             else:
                 plan.append(eagle2_run(mode, head, bs, m, d, k, args.draft_vocab))
-        plan += [eagle2_run("dynamic", head, bs, *setting, sweep=True) for setting in args.sweep]
+        plan += [eagle2_run(tree, head, bs, *size, sweep=True) for tree, *size in args.sweep]
         for run in plan:
             try:
                 runs.append(run_engine(run, model, prompts, args, ignore_eos=args.tiny))
@@ -581,9 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if len(eagle_all) > len(batch_sizes):
         md += ["", "vLLM eagle, every k:", "", markdown_table(eagle_all, greedy)]
-    sweep = [r for r in all_rows if r["mode"] in ("sweep", "dynamic")]
+    sweep = [r for r in all_rows if r["mode"] in ("sweep", "static", "dynamic")]
     if args.sweep:
-        md += ["", "eagle2 dynamic, tree sizes (m, depth, topk):", "", markdown_table(sweep, greedy)]
+        md += ["", "eagle2 trees at other settings (m, depth, topk):", "", markdown_table(sweep, greedy)]
     plots = plot(results, out)
     md += ["", "Plots: " + ", ".join(Path(p).name for p in plots) if plots else ""]
     text = "\n".join(md) + "\n"

