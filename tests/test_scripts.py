@@ -16,6 +16,8 @@ from types import ModuleType
 
 import pytest
 
+from vllm_eagle2.tree import TREE_MODES
+
 REPO = Path(__file__).resolve().parents[1]
 README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
 
@@ -102,6 +104,7 @@ def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     ]
     with pytest.raises(argparse.ArgumentTypeError, match="MODE one of chain, static, dynamic"):
         benchmark._setting_list("wide:60:3:10")
+    assert set(benchmark.TREE_MODES) == set(TREE_MODES)
 
 
 def test_ci_run_is_executable_and_runs_the_readme_command() -> None:
