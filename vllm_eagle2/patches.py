@@ -21,6 +21,11 @@ What is patched (vLLM 0.32, file:function):
   generators have: a seeded request with a chunked prefill crashed vLLM's CPU build).
 * ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
   by the "vec" layout, which the tree attention reads.
+* ``v1/sample/rejection_sampler.py`` expand_batch_to_tokens, on the CPU build only, for every
+  engine: its CPU kernel writes into an int64 copy of the output, so the per-token temperature
+  (and top-k, top-p) of vLLM's own rejection sampler was uninitialised memory. vLLM's built-in
+  speculative methods sampled from a wrong distribution at temperature > 0 and accepted almost
+  nothing (eagle2 verifies with its own sampler and never read it).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ def apply() -> bool:
     _patch_config()
     _patch_runner()
     _patch_cpu_attention()
+    _patch_cpu_sampling_expansion()
     _state["applied"] = True
     return True
 
@@ -325,3 +331,28 @@ def _patch_cpu_attention() -> None:
         return "vec" if isa == "amx" and _state.get("cpu_isa_vec") else isa
 
     cpu_attn._get_attn_isa = _get_attn_isa
+
+
+def _patch_cpu_sampling_expansion() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+
+
+def _expand_batch_to_tokens(
+    x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> Any:
+    """vLLM's ``expand_batch_to_tokens`` in torch: ``[B]`` per-request values to ``[num_tokens]``.
+
+    Request ``i`` owns tokens ``cu_num_tokens[i-1]:cu_num_tokens[i]``; a value equal to
+    ``replace_from`` becomes ``replace_to``. Keeps ``x``'s dtype (vLLM 0.32's CPU kernel does not).
+    """
+    import torch
+
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
+    x = x.masked_fill(x == replace_from, replace_to)
+    return x.repeat_interleave(counts, output_size=num_tokens)
