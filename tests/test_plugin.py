@@ -8,6 +8,8 @@
 * On a vLLM release the plugin was not written for, nothing is patched: the plugin logs
   why, an eagle2 config fails with that message, and vLLM without speculation still works.
 * A Ray worker gets the method through vLLM's own plugin loading.
+* On vLLM's CPU build the plugin also repairs the expansion of per-request sampling values in
+  vLLM's own rejection sampler (its kernel left them uninitialised), for every engine.
 """
 
 from __future__ import annotations
@@ -260,6 +262,23 @@ def test_other_vllm_releases_are_refused_naming_the_supported_ones(version):
 
 def test_vllm_0_32_patch_releases_are_supported():
     assert unsupported_reason("0.32.1") is None
+
+
+def test_vllm_rejection_sampler_expands_request_values_to_their_draft_tokens():
+    """On the CPU build, the per-request temperature / top-k of vLLM's own sampler reach each draft token."""
+    import torch
+
+    from vllm_eagle2 import patches
+
+    assert patches.apply()
+    from vllm.v1.sample import rejection_sampler
+
+    cu = torch.tensor([2, 3, 6], dtype=torch.int32)  # 2, 1 and 3 draft tokens
+    temperature = torch.tensor([0.7, -1.0, 1.5])  # -1: a greedy request, computed as 1
+    expanded = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=-1, replace_to=1)
+    assert expanded.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.5, 1.5, 1.5])
+    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 9], dtype=torch.int32), cu, 6)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 0, 9, 9, 9]
 
 
 @pytest.fixture(scope="module")
