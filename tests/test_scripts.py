@@ -47,6 +47,7 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
             "benchmark.py",
             [
                 "--dataset",
+                "--raw-prompts",
                 "--num-prompts",
                 "--max-tokens",
                 "--temperature",
