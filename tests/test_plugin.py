@@ -271,7 +271,10 @@ def test_vllm_rejection_sampler_expands_request_values_to_their_draft_tokens():
     from vllm_eagle2 import patches
 
     assert patches.apply()
+    from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
+
+    current_platform.register_triton_kernel_overrides()  # as every vLLM worker does after the plugins
 
     cu = torch.tensor([2, 3, 6], dtype=torch.int32)  # 2, 1 and 3 draft tokens
     temperature = torch.tensor([0.7, -1.0, 1.5])  # -1: a greedy request, computed as 1

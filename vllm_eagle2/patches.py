@@ -21,11 +21,11 @@ What is patched (vLLM 0.32, file:function):
   generators have: a seeded request with a chunked prefill crashed vLLM's CPU build).
 * ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
   by the "vec" layout, which the tree attention reads.
-* ``v1/sample/rejection_sampler.py`` expand_batch_to_tokens, on the CPU build only, for every
-  engine: its CPU kernel writes into an int64 copy of the output, so the per-token temperature
-  (and top-k, top-p) of vLLM's own rejection sampler was uninitialised memory. vLLM's built-in
-  speculative methods sampled from a wrong distribution at temperature > 0 and accepted almost
-  nothing (eagle2 verifies with its own sampler and never read it).
+* ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
+  ``v1/sample/rejection_sampler.py``), for every engine: it wrote into an int64 copy of the
+  output, so the per-token temperature (and top-k, top-p) of vLLM's own rejection sampler was
+  uninitialised memory. vLLM's built-in speculative methods sampled from a wrong distribution at
+  temperature > 0 and accepted almost nothing (eagle2 verifies with its own sampler).
 """
 
 from __future__ import annotations
@@ -338,21 +338,29 @@ def _patch_cpu_sampling_expansion() -> None:
 
     if not current_platform.is_cpu():
         return
-    from vllm.v1.sample import rejection_sampler
+    from vllm.utils import cpu_triton_utils
 
-    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    # vLLM registers this module's functions as its CPU kernels after the plugins load
+    # (WorkerBase: load_general_plugins, then register_triton_kernel_overrides).
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
 
 
-def _expand_batch_to_tokens(
-    x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0
-) -> Any:
-    """vLLM's ``expand_batch_to_tokens`` in torch: ``[B]`` per-request values to ``[num_tokens]``.
+def _expand_kernel_impl(
+    output: Any,
+    input_val: Any,
+    cu_num_tokens: Any,
+    replace_from: Any,
+    replace_to: Any,
+    MAX_NUM_TOKENS: Any = None,  # noqa: N803 - the Triton kernel's parameter name
+) -> None:
+    """vLLM's ``expand_kernel`` on CPU, in torch, written into ``output`` in its own dtype.
 
-    Request ``i`` owns tokens ``cu_num_tokens[i-1]:cu_num_tokens[i]``; a value equal to
-    ``replace_from`` becomes ``replace_to``. Keeps ``x``'s dtype (vLLM 0.32's CPU kernel does not).
+    ``output`` ``[num_tokens]``: request ``i``'s ``input_val[i]`` at its tokens
+    ``cu_num_tokens[i-1]:cu_num_tokens[i]``, ``replace_from`` written as ``replace_to``.
     """
     import torch
 
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
-    x = x.masked_fill(x == replace_from, replace_to)
-    return x.repeat_interleave(counts, output_size=num_tokens)
+    values = input_val.masked_fill(input_val == replace_from, replace_to)
+    expanded = values.repeat_interleave(counts)
+    output[: expanded.numel()].copy_(expanded)
