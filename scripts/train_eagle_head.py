@@ -360,6 +360,7 @@ def write_feature_shards(
     shard_tokens: int,
     desc: str | None = None,
     target_topk: int = TARGET_TOPK,
+    aux_layers: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """Run ``model`` (a transformers causal LM) over every sequence and write bf16 feature shards.
 
@@ -368,8 +369,11 @@ def write_feature_shards(
     [n+1] (sequence starts), and the target's next-token distribution at each position, cut to its
     ``target_topk`` most likely tokens: ``topk_ids`` int32 [N, K] (most likely first) and
     ``topk_logp`` float32 [N, K] (full-vocabulary log-probs of bf16 ``lm_head(hidden)``, the same
-    logits the training loss used to recompute every epoch). The split of sequences into shards is
-    fixed by their lengths, and existing shards are kept, so an interrupted extraction resumes.
+    logits the training loss used to recompute every epoch). With ``aux_layers`` also ``aux`` bf16
+    [N, len(aux_layers) * H]: the residual stream entering each of those target layers (transformers'
+    ``hidden_states[l]``), side by side in the given order (EAGLE-3's low/middle-layer features).
+    The split of sequences into shards is fixed by their lengths, and existing shards are kept, so an
+    interrupted extraction resumes.
     Returns the shard list (file, lengths).
     """
     from safetensors.torch import save_file
@@ -396,12 +400,17 @@ def write_feature_shards(
         if k not in todo:
             continue
         hidden: list[torch.Tensor] = []
+        aux: list[torch.Tensor] = []
         top_ids: list[torch.Tensor] = []
         top_logp: list[torch.Tensor] = []
         for i in members:
             ids = torch.tensor(seqs.ids[i], dtype=torch.long)[None]
             with torch.inference_mode():
-                h = inner(input_ids=ids).last_hidden_state[0].to(torch.bfloat16)
+                out = inner(input_ids=ids, output_hidden_states=bool(aux_layers))
+                h = out.last_hidden_state[0].to(torch.bfloat16)
+                if aux_layers:
+                    layers = [out.hidden_states[j][0] for j in aux_layers]
+                    aux.append(torch.cat(layers, -1).to(torch.bfloat16))
                 logp = torch.log_softmax((h @ lm_head.T).float(), -1)
                 val, idx = logp.topk(min(target_topk, logp.shape[-1]), -1)
             hidden.append(h)
@@ -417,6 +426,8 @@ def write_feature_shards(
             "topk_ids": torch.cat(top_ids).contiguous(),
             "topk_logp": torch.cat(top_logp).contiguous(),
         }
+        if aux:
+            tensors["aux"] = torch.cat(aux).contiguous()
         tmp = out_dir / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out_dir / name)
@@ -424,13 +435,16 @@ def write_feature_shards(
     return shards
 
 
-def data_fingerprint(target_dir: Path, splits: dict[str, Sequences]) -> str:
-    """Hash of the target (config, weight file sizes) and every token id and mask of every split."""
+def data_fingerprint(target_dir: Path, splits: dict[str, Sequences], aux_layers: Sequence[int] = ()) -> str:
+    """Hash of the target (config, weight file sizes), the stored aux layers and every token id and mask
+    of every split."""
     h = hashlib.sha256()
     h.update((target_dir / "config.json").read_bytes())
     for path in sorted(target_dir.glob("*.safetensors")):
         h.update(f"{path.name}:{path.stat().st_size}".encode())
     h.update(f"format{FEATURE_FORMAT}".encode())
+    if aux_layers:
+        h.update(f"aux{list(aux_layers)}".encode())
     for name, seqs in splits.items():
         h.update(f"|split {name}|".encode())
         for ids, mask in zip(seqs.ids, seqs.masks):
@@ -440,10 +454,14 @@ def data_fingerprint(target_dir: Path, splits: dict[str, Sequences]) -> str:
 
 
 def extract_features(
-    target_dir: Path, splits: dict[str, Sequences], feature_root: Path, shard_tokens: int
+    target_dir: Path,
+    splits: dict[str, Sequences],
+    feature_root: Path,
+    shard_tokens: int,
+    aux_layers: Sequence[int] = (),
 ) -> tuple[Path, dict[str, Any]]:
     """Features of every split under ``feature_root/<fingerprint[:16]>`` (reused when already complete)."""
-    fp = data_fingerprint(target_dir, splits)
+    fp = data_fingerprint(target_dir, splits, aux_layers)
     fdir = feature_root / fp[:16]
     manifest_path = fdir / "manifest.json"
     if manifest_path.exists():
@@ -461,10 +479,11 @@ def extract_features(
         "fingerprint": fp,
         "target": str(target_dir),
         "hidden_size": model.config.hidden_size,
+        "aux_layers": list(aux_layers),
         "splits": {},
     }
     for split, seqs in splits.items():
-        shards = write_feature_shards(model, seqs, fdir, split, shard_tokens)
+        shards = write_feature_shards(model, seqs, fdir, split, shard_tokens, aux_layers=aux_layers)
         manifest["splits"][split] = {
             "shards": shards,
             "num_sequences": len(seqs.ids),
@@ -618,6 +637,11 @@ class EagleHead(nn.Module):
 
     The target's embedding (in its own dtype) and ``lm_head`` (bf16, for the vocabulary matmuls) are
     frozen, non-persistent buffers, so they are never saved.
+
+    A config with ``aux_hidden_state_layers`` (a measurement, not a format vLLM or the plugin loads)
+    adds EAGLE-3's extra input: where the head reads a target feature z_i it reads
+    ``z_i + aux_fc(cat(RMSNorm_l(a_i^l) for each listed layer l))``, ``a_i^l`` the residual stream
+    entering target layer l; its own drafted features get nothing added. ``aux_fc`` starts at zero.
     """
 
     def __init__(self, cfg: Any, embed: torch.Tensor, lm_head: torch.Tensor, fc_bias: bool = False) -> None:
@@ -627,6 +651,10 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         self.config = cfg
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        num_aux = len(getattr(cfg, "aux_hidden_state_layers", None) or [])
+        if num_aux:
+            self.aux_norms = nn.ModuleList([_Norm(h, cfg.rms_norm_eps) for _ in range(num_aux)])
+            self.aux_fc = nn.Linear(num_aux * h, h, bias=False)
         self.layers = nn.ModuleList([_Layer(cfg, input_norm=i > 0) for i in range(cfg.num_hidden_layers)])
         self.register_buffer("embed_weight", embed.detach().clone(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head.detach().to(torch.bfloat16), persistent=False)
@@ -640,9 +668,11 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         seq_lens: Sequence[int],
+        aux: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Head output [T, H] (float32) for packed tokens [T] (token i+1), target hidden [T, H] (of i)."""
-        return self.forward_unrolled(tokens, hidden, positions, seq_lens, 1)[0]
+        """Head output [T, H] (float32) for packed tokens [T] (token i+1), target hidden [T, H] (of i)
+        and, for a head with aux layers, the target's aux hidden states [T, A * H] (of i)."""
+        return self.forward_unrolled(tokens, hidden, positions, seq_lens, 1, aux)[0]
 
     def forward_unrolled(
         self,
@@ -651,6 +681,7 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,
         seq_lens: Sequence[int],
         steps: int,
+        aux: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Outputs [T, H] of drafting depths 1..``steps``, as the drafter runs them on its own features.
 
@@ -670,6 +701,11 @@ class EagleHead(nn.Module):
         starts = torch.tensor([0, *seq_lens], device=tokens.device).cumsum(0)[: len(seq_lens)]
         prev[starts] = starts
         feats = hidden.float()
+        if hasattr(self, "aux_fc"):
+            if aux is None:
+                raise ValueError("this head reads aux hidden states: pass aux [T, A * H]")
+            parts = aux.float().split(self.config.hidden_size, -1)
+            feats = feats + self.aux_fc(torch.cat([n(a) for n, a in zip(self.aux_norms, parts)], -1))
         outs: list[torch.Tensor] = []
         past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]  # per layer, per step
         for _ in range(steps):
@@ -698,19 +734,32 @@ def head_config(target_cfg: Any, num_layers: int = 1) -> Any:
 
 
 def build_head(
-    target_dir: Path, *, init: str = "target", fc_bias: bool = False, seed: int = 0, num_layers: int = 1
+    target_dir: Path,
+    *,
+    init: str = "target",
+    fc_bias: bool = False,
+    seed: int = 0,
+    num_layers: int = 1,
+    aux_layers: Sequence[int] = (),
 ) -> EagleHead:
     """Head for ``target_dir``: ``init="target"`` copies its last layer into every head layer and sets
     ``fc = [0 | I]``; the first layer's ``o_proj`` and ``down_proj`` are scaled by 0.1, later layers'
     are zero (each later layer starts as the identity, so a head grown from a trained one by
     :func:`load_head_weights` starts with that head's outputs).
 
-    ``init="random"`` draws every weight from N(0, 1/fan_in) (norm weight 1, biases 0).
+    ``init="random"`` draws every weight from N(0, 1/fan_in) (norm weight 1, biases 0). With
+    ``aux_layers`` (target layer indices) the head also reads those layers (see :class:`EagleHead`);
+    its ``aux_fc`` starts at zero either way, so the head starts as the plain one.
     """
     from transformers import AutoConfig
 
     tcfg = AutoConfig.from_pretrained(str(target_dir))
     cfg = head_config(tcfg, num_layers)
+    bad = [j for j in aux_layers if not 0 <= j <= tcfg.num_hidden_layers]
+    if bad:
+        raise SystemExit(f"error: --aux-layers {bad} not in 0..{tcfg.num_hidden_layers} (target layers)")
+    if aux_layers:
+        cfg.aux_hidden_state_layers = list(aux_layers)
     embed, lm_head = frozen_target_weights(target_dir)
     torch.manual_seed(seed)
     head = EagleHead(cfg, embed, lm_head, fc_bias=fc_bias)
@@ -741,14 +790,16 @@ def build_head(
                 layer.mlp.down_proj.weight.zero_()
         elif init != "random":
             raise ValueError(f"unknown init {init!r}")
+        if aux_layers:
+            head.aux_fc.weight.zero_()
     return head
 
 
 def load_head_weights(head: EagleHead, head_dir: Path) -> None:
     """Copy the weights of an exported head (``head_dir``/model.safetensors) into ``head``.
 
-    ``head`` may have more layers than the saved head (growing it): the extra layers keep their
-    initialisation. Any other mismatch is an error.
+    ``head`` may have more layers than the saved head, or aux inputs it lacks (growing it): those keep
+    their initialisation. Any other mismatch is an error.
     """
     from safetensors.torch import load_file
 
@@ -756,7 +807,10 @@ def load_head_weights(head: EagleHead, head_dir: Path) -> None:
     missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
     saved_layers = {int(k.split(".")[1]) for k in sd if k.startswith("layers.")}
     missing = [
-        k for k in missing if not (k.startswith("layers.") and int(k.split(".")[1]) not in saved_layers)
+        k
+        for k in missing
+        if not (k.startswith("layers.") and int(k.split(".")[1]) not in saved_layers)
+        and not (k.startswith("aux_") and not any(x.startswith("aux_") for x in sd))
     ]
     if missing or unexpected:
         raise SystemExit(
@@ -794,6 +848,7 @@ class Batch:
     seq_lens: list[int]
     topk_ids: torch.Tensor | None = None  # [N, K] int32: target's most likely tokens after z_{i+1}
     topk_logp: torch.Tensor | None = None  # [N, K] float32: their log-probs
+    aux_in: torch.Tensor | None = None  # [N, A * H] bf16: the target's aux-layer hidden states of i
 
 
 def make_batch(
@@ -803,15 +858,16 @@ def make_batch(
     spans: Sequence[tuple[int, int]],
     topk_ids: torch.Tensor | None = None,
     topk_logp: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
 ) -> Batch:
     """Pack the sequences ``[start, end)`` of a shard into a :class:`Batch`.
 
     For a sequence t_0..t_{L-1} with features z_0..z_{L-1}, head position i (0..L-2) gets (t_{i+1}, z_i)
     and regresses z_{i+1}; it counts in the loss when the token it predicts, t_{i+2}, is an assistant token
     (for the last position, t_{L-1}). ``topk_ids`` / ``topk_logp`` ([shard tokens, K], optional) are cut
-    like ``z_{i+1}``.
+    like ``z_{i+1}``, ``aux`` ([shard tokens, A * H], optional) like ``z_i``.
     """
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("t", "zi", "p", "zt", "w", "ki", "kl")}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("t", "zi", "p", "zt", "w", "ki", "kl", "a")}
     lens: list[int] = []
     for s, e in spans:
         n = e - s
@@ -826,6 +882,8 @@ def make_batch(
         if topk_ids is not None and topk_logp is not None:
             parts["ki"].append(topk_ids[s + 1 : e])
             parts["kl"].append(topk_logp[s + 1 : e])
+        if aux is not None:
+            parts["a"].append(aux[s : e - 1])
         lens.append(n - 1)
     return Batch(
         tokens=torch.cat(parts["t"]),
@@ -836,6 +894,7 @@ def make_batch(
         seq_lens=lens,
         topk_ids=torch.cat(parts["ki"]) if parts["ki"] else None,
         topk_logp=torch.cat(parts["kl"]) if parts["kl"] else None,
+        aux_in=torch.cat(parts["a"]) if parts["a"] else None,
     )
 
 
@@ -972,7 +1031,9 @@ def batch_loss(
         hidden_in = hidden_in + (torch.rand_like(hidden_in) * 2 - 1) * feature_noise
     stats = StepStats(ce_weight=ce_weight)
     with torch.set_grad_enabled(train):
-        outs = head.forward_unrolled(batch.tokens, hidden_in, batch.positions, batch.seq_lens, depths)
+        outs = head.forward_unrolled(
+            batch.tokens, hidden_in, batch.positions, batch.seq_lens, depths, batch.aux_in
+        )
         surrogate = torch.zeros(())
         for depth, out in enumerate(outs, 1):
             # positions are the rows' indices within their sequences: depth s needs s - 1 rows before
@@ -1066,7 +1127,13 @@ class ShardReader:
         off = data["offsets"]
         spans = [(int(off[i]), int(off[i + 1])) for i in seqs]
         return make_batch(
-            data["tokens"], data["hidden"], data["mask"], spans, data.get("topk_ids"), data.get("topk_logp")
+            data["tokens"],
+            data["hidden"],
+            data["mask"],
+            spans,
+            data.get("topk_ids"),
+            data.get("topk_logp"),
+            data.get("aux"),
         )
 
 
@@ -1378,6 +1445,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "layers start as the identity",
     )
     p.add_argument("--fc-bias", action="store_true", help="give fc a bias (eagle2 plugin head only)")
+    p.add_argument(
+        "--aux-layers",
+        type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+        default=[],
+        help="measurement only (a head neither vLLM nor the plugin loads): also feed the head the "
+        "target's hidden states entering these layers, e.g. 2,15,27 (EAGLE-3's low/middle/high features)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
@@ -1468,14 +1542,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"token ranking for draft_vocab_size written to {ranking}")
     if args.draft_vocab_only:
         return 0
-    fdir, manifest = extract_features(target, splits, args.feature_dir.resolve(), args.shard_tokens)
+    fdir, manifest = extract_features(
+        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers
+    )
     extract_s = time.perf_counter() - t0 - select_s
     if args.extract_only:
         log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
         return 0
 
     head = build_head(
-        target, init=args.init, fc_bias=args.fc_bias, seed=args.seed, num_layers=args.num_layers
+        target,
+        init=args.init,
+        fc_bias=args.fc_bias,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        aux_layers=args.aux_layers,
     )
     if args.init_from is not None:
         load_head_weights(head, args.init_from)
@@ -1504,7 +1585,8 @@ def main(argv: list[str] | None = None) -> int:
     # (Time budgets are left out: a resumed run may be given more minutes.)
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
     init = str(args.init_from.resolve()) if args.init_from else args.init
-    key = json.dumps([fields, init, args.fc_bias, args.num_layers])
+    aux = [args.aux_layers] if args.aux_layers else []  # (keeps the keys of runs without aux layers)
+    key = json.dumps([fields, init, args.fc_bias, args.num_layers, *aux])
     setting = hashlib.sha256(key.encode()).hexdigest()[:8]
     checkpoint = fdir / f"checkpoint-seed{args.seed}-{setting}.pt"
     init_eval: dict[str, Any] | None = None
