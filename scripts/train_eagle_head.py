@@ -755,9 +755,9 @@ def build_head(
 
     tcfg = AutoConfig.from_pretrained(str(target_dir))
     cfg = head_config(tcfg, num_layers)
-    bad = [j for j in aux_layers if not 0 <= j <= tcfg.num_hidden_layers]
+    bad = [j for j in aux_layers if not 0 <= j < tcfg.num_hidden_layers]
     if bad:
-        raise SystemExit(f"error: --aux-layers {bad} not in 0..{tcfg.num_hidden_layers} (target layers)")
+        raise SystemExit(f"error: --aux-layers {bad} not in 0..{tcfg.num_hidden_layers - 1} (target layers)")
     if aux_layers:
         cfg.aux_hidden_state_layers = list(aux_layers)
     embed, lm_head = frozen_target_weights(target_dir)

@@ -235,13 +235,13 @@ def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_pla
 
     seqs = trainer.Sequences(ids=setup["seqs"].ids[:2], masks=setup["seqs"].masks[:2])
     shards = trainer.write_feature_shards(
-        setup["model"], seqs, tmp_path / "features", "train", 10_000, aux_layers=(2, 1)
+        setup["model"], seqs, tmp_path / "features", "train", 10_000, aux_layers=(1, 0)
     )
     data = load_file(str(tmp_path / "features" / shards[0]["file"]))
     n0 = len(seqs.ids[0])
     with torch.no_grad():
         states = setup["model"].model(input_ids=torch.tensor(seqs.ids[0])[None], output_hidden_states=True)
-    ref = torch.cat([states.hidden_states[2][0], states.hidden_states[1][0]], -1)
+    ref = torch.cat([states.hidden_states[1][0], states.hidden_states[0][0]], -1)
     assert data["aux"].dtype == torch.bfloat16 and data["aux"].shape == (data["tokens"].numel(), 2 * 128)
     torch.testing.assert_close(data["aux"][:n0].float(), ref, atol=0.05, rtol=0.02)
 
@@ -250,7 +250,7 @@ def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_pla
     )
     small = trainer.build_head(setup["target"], init="random", seed=0)
     trainer.load_head_weights(small, plain)
-    grown = trainer.build_head(setup["target"], init="target", seed=0, aux_layers=(2, 1))
+    grown = trainer.build_head(setup["target"], init="target", seed=0, aux_layers=(1, 0))
     trainer.load_head_weights(grown, plain)
     batch = trainer.ShardReader(tmp_path / "features", shards).batch(0, [0, 1])
     assert batch.aux_in is not None and batch.aux_in.shape == (batch.tokens.numel(), 2 * 128)
@@ -261,7 +261,7 @@ def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_pla
     trainer.batch_loss(grown, batch, train=True, depths=2)
     assert grown.aux_fc.weight.grad is not None and grown.aux_fc.weight.grad.abs().sum() > 0
     with pytest.raises(SystemExit, match="aux-layers"):
-        trainer.build_head(setup["target"], init="random", aux_layers=(99,))
+        trainer.build_head(setup["target"], init="random", aux_layers=(2,))
 
 
 def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
