@@ -733,6 +733,15 @@ def head_config(target_cfg: Any, num_layers: int = 1) -> Any:
     return cfg
 
 
+def check_aux_layers(target_cfg: Any, aux_layers: Sequence[int]) -> None:
+    """Exit naming ``--aux-layers`` unless every index is a target layer, 0..L-1 (``hidden_states[L]``
+    is the last layer's normed output, the head's main input already)."""
+    n = target_cfg.num_hidden_layers
+    bad = [j for j in aux_layers if not 0 <= j < n]
+    if bad:
+        raise SystemExit(f"error: --aux-layers {bad} not in 0..{n - 1} (target layers)")
+
+
 def build_head(
     target_dir: Path,
     *,
@@ -755,9 +764,7 @@ def build_head(
 
     tcfg = AutoConfig.from_pretrained(str(target_dir))
     cfg = head_config(tcfg, num_layers)
-    bad = [j for j in aux_layers if not 0 <= j < tcfg.num_hidden_layers]
-    if bad:
-        raise SystemExit(f"error: --aux-layers {bad} not in 0..{tcfg.num_hidden_layers - 1} (target layers)")
+    check_aux_layers(tcfg, aux_layers)
     if aux_layers:
         cfg.aux_hidden_state_layers = list(aux_layers)
     embed, lm_head = frozen_target_weights(target_dir)
@@ -1500,14 +1507,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (target / "config.json").exists():
         hint = " (run scripts/prepare_smollm2.py first)" if target == DEFAULT_TARGET else ""
         raise SystemExit(f"error: no config.json in {target}{hint}")
+    from transformers import AutoConfig, AutoTokenizer
+
+    # before the data and the features, which take minutes to hours
+    check_aux_layers(AutoConfig.from_pretrained(str(target)), args.aux_layers)
     if args.max_tokens_per_conversation > args.batch_tokens:
         log(f"--max-tokens-per-conversation lowered to --batch-tokens ({args.batch_tokens})")
         args.max_tokens_per_conversation = args.batch_tokens
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if not getattr(tokenizer, "is_fast", False):
         raise SystemExit("error: a fast tokenizer (offsets) is needed to mask the assistant replies")

@@ -262,6 +262,13 @@ def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_pla
     assert grown.aux_fc.weight.grad is not None and grown.aux_fc.weight.grad.abs().sum() > 0
     with pytest.raises(SystemExit, match="aux-layers"):
         trainer.build_head(setup["target"], init="random", aux_layers=(2,))
+    out, features = tmp_path / "o", tmp_path / "f"
+    with pytest.raises(SystemExit, match="aux-layers"):
+        trainer.main(
+            ["--target", str(setup["target"]), "--aux-layers", "2", "--output", str(out)]
+            + ["--feature-dir", str(features)]
+        )
+    assert not out.exists() and not features.exists(), "--aux-layers is checked before any data is read"
 
 
 def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
