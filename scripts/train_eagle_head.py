@@ -29,6 +29,8 @@ Pipeline (one command, reproducible from ``--seed``):
    closed-form gradient ``softmax(head) - p_target``. By default (``--vocab-subset 8192``) it runs over
    the 8,192 tokens the target predicts most plus each batch's stored target top-16, about 3x faster
    per step than over the whole 49k vocabulary (``--vocab-subset 0``, computed in row chunks).
+   ``--reg-only-ratio F`` trains the first fraction F of the steps on the regression alone (measured
+   from scratch against the full loss throughout, see the head's README).
    ``--train-depths N`` also trains drafting depths 2..N the way the drafter runs them, on the head's
    own output features over the cache the target's features built (EAGLE-3's training-time test,
    ``EagleHead.forward_unrolled``); a head trained teacher-forced only drifts on its own features
@@ -1200,6 +1202,7 @@ class TrainConfig:
     batch_tokens: int = 2048
     feature_noise: float = 0.0
     ce_weight: float = CE_WEIGHT
+    reg_only_ratio: float = 0.0  # first fraction of the steps with CE weight 0 (regression-only warm-up)
     vocab_subset: int = 0  # 0: CE over the whole vocabulary; else see subset_vocab_loss
     depths: int = 1  # train depths 1..depths on the head's own features (batch_loss); 1 = teacher forcing
     seed: int = 0
@@ -1261,6 +1264,7 @@ def train(
     plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
     total_steps = sum(len(p) for p in plans)
     warmup = max(1, int(cfg.warmup_ratio * total_steps))
+    reg_only_steps = int(cfg.reg_only_ratio * total_steps)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
@@ -1338,7 +1342,7 @@ def train(
                 batch,
                 train=True,
                 feature_noise=cfg.feature_noise,
-                ce_weight=cfg.ce_weight,
+                ce_weight=0.0 if global_step < reg_only_steps else cfg.ce_weight,
                 vocab=vocab,
                 depths=cfg.depths,
             )
@@ -1475,6 +1479,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ce-weight", type=float, default=CE_WEIGHT, help="L = L_reg + w * L_cls (paper: 0.1)")
     p.add_argument(
+        "--reg-only-ratio",
+        type=float,
+        default=0.0,
+        help="train the first fraction of the steps on the regression loss alone (CE weight 0), "
+        "then on the full loss",
+    )
+    p.add_argument(
         "--vocab-subset",
         type=int,
         default=8192,
@@ -1500,6 +1511,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Select data, extract features, train, export; returns the exit status."""
     args = parse_args(argv)
+    if not 0 <= args.reg_only_ratio <= 1:
+        raise SystemExit(f"error: --reg-only-ratio {args.reg_only_ratio} not in [0, 1]")
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1583,6 +1596,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_tokens=args.batch_tokens,
         feature_noise=args.feature_noise,
         ce_weight=args.ce_weight,
+        reg_only_ratio=args.reg_only_ratio,
         vocab_subset=args.vocab_subset,
         depths=args.train_depths,
         seed=args.seed,
@@ -1592,6 +1606,8 @@ def main(argv: list[str] | None = None) -> int:
     # One checkpoint per training setting: runs that differ only in (say) --ce-weight never share it.
     # (Time budgets are left out: a resumed run may be given more minutes.)
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
+    if not cfg.reg_only_ratio:
+        del fields["reg_only_ratio"]  # (keeps the keys of the runs made before the option)
     init = str(args.init_from.resolve()) if args.init_from else args.init
     aux = [args.aux_layers] if args.aux_layers else []  # (keeps the keys of runs without aux layers)
     key = json.dumps([fields, init, args.fc_bias, args.num_layers, *aux])
@@ -1642,6 +1658,11 @@ def main(argv: list[str] | None = None) -> int:
         + (
             f"; depths 2..{args.train_depths} on the head's own features, weighted {UNROLL_DECAY}^(depth-1)"
             if args.train_depths > 1
+            else ""
+        )
+        + (
+            f"; the first {args.reg_only_ratio:g} of the steps on the regression alone"
+            if args.reg_only_ratio
             else ""
         ),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},

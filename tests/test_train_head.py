@@ -184,6 +184,29 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
 
 
+def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
+    setup: dict, trainer: ModuleType
+) -> None:
+    """--reg-only-ratio 0.5: the first half of the steps are those of CE weight 0, the rest add the CE."""
+
+    def run(**kw: float) -> tuple[list[float], dict]:
+        head = trainer.build_head(setup["target"], init="target", seed=0)
+        cfg = trainer.TrainConfig(epochs=1, lr=3e-3, batch_tokens=64, seed=0, warmup_ratio=0.0, **kw)
+        history = trainer.train(head, setup["fdir"], setup["shards"], None, cfg, progress=False)
+        # the gradient's norm is logged before clipping, so it sees whether the CE was in the loss
+        return [s["grad_norm"] for s in history["steps"]], head.state_dict()
+
+    warm, warm_sd = run(ce_weight=0.1, reg_only_ratio=0.5)
+    reg, _ = run(ce_weight=0.0)
+    full, full_sd = run(ce_weight=0.1)
+    k = len(warm) // 2
+    assert k >= 2
+    assert warm[:k] == reg[:k]  # bit for bit: the same weights, the same regression-only gradients
+    assert warm[k] != reg[k]  # the CE joins at step k + 1
+    assert warm[0] != full[0]
+    assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
+
+
 def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
     setup: dict, trainer: ModuleType, tmp_path: Path
 ) -> None:
