@@ -201,7 +201,7 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
     full, full_sd = run(ce_weight=0.1)
     k = len(warm) // 2
     assert k >= 2
-    assert warm[:k] == reg[:k]  # bit for bit: the same weights, the same regression-only gradients
+    assert warm[:k] == reg[:k]  # the same weights, the same regression-only gradients
     assert warm[k] != reg[k]  # the CE joins at step k + 1
     assert warm[0] != full[0]
     assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
