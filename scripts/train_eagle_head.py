@@ -1415,6 +1415,14 @@ def train(
 # ----------------------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------------------
+def _fraction(text: str) -> float:
+    """A float in [0, 1] (argparse type)."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} not in [0, 1]")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1480,7 +1488,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ce-weight", type=float, default=CE_WEIGHT, help="L = L_reg + w * L_cls (paper: 0.1)")
     p.add_argument(
         "--reg-only-ratio",
-        type=float,
+        type=_fraction,
         default=0.0,
         help="train the first fraction of the steps on the regression loss alone (CE weight 0), "
         "then on the full loss",
@@ -1511,8 +1519,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Select data, extract features, train, export; returns the exit status."""
     args = parse_args(argv)
-    if not 0 <= args.reg_only_ratio <= 1:
-        raise SystemExit(f"error: --reg-only-ratio {args.reg_only_ratio} not in [0, 1]")
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -205,6 +205,8 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
     assert warm[k] != reg[k]  # the CE joins at step k + 1
     assert warm[0] != full[0]
     assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
+    with pytest.raises(SystemExit):  # argparse: "argument --reg-only-ratio: 1.5 not in [0, 1]"
+        trainer.parse_args(["--reg-only-ratio", "1.5"])
 
 
 def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
