@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,11 +23,9 @@ from vllm_eagle2.tiny_models import EagleHeadReference, build_target
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_trainer() -> ModuleType:
-    """Import scripts/train_eagle_head.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "train_eagle_head", REPO / "scripts" / "train_eagle_head.py"
-    )
+def _load_script(name: str) -> ModuleType:
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -37,7 +36,7 @@ def _load_trainer() -> ModuleType:
 @pytest.fixture(scope="module")
 def trainer() -> ModuleType:
     """The trainer script as a module."""
-    return _load_trainer()
+    return _load_script("train_eagle_head")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +206,53 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
     assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
     with pytest.raises(SystemExit):  # argparse: "argument --reg-only-ratio: 1.5 not in [0, 1]"
         trainer.parse_args(["--reg-only-ratio", "1.5"])
+
+
+def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
+    """top-1 = a + b log2(tokens): points on such a line give back a and b, and the goal's tokens."""
+    scaling = _load_script("head_data_scaling")
+    tokens = [1e5, 2e5, 4e5, 8e5]
+    a, b = scaling.fit_log_linear(tokens, [0.20 + 0.05 * math.log2(t / 1e5) for t in tokens])
+    assert b == pytest.approx(0.05) and a + b * math.log2(1e5) == pytest.approx(0.20)
+    assert scaling.tokens_for(0.40, a, b) == pytest.approx(1.6e6)
+    assert scaling.tokens_for(0.40, 0.5, -0.01) is None  # a falling curve never reaches the goal
+    with pytest.raises(ValueError):
+        scaling.fit_log_linear([1e5, 1e5], [0.2, 0.3])
+    with pytest.raises(SystemExit):  # argparse: "give at least two shard counts"
+        scaling.parse_args(["--features", "x", "--shards", "2"])
+
+
+def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
+    setup: dict, trainer: ModuleType, tmp_path: Path
+) -> None:
+    """One head per shard prefix, each exactly as train() on that prefix alone; JSON, table and PNG."""
+    scaling = _load_script("head_data_scaling")
+    fdir, shards = tmp_path / "features", setup["shards"]
+    fdir.mkdir()
+    for s in shards:
+        (fdir / s["file"]).symlink_to(setup["fdir"] / s["file"])
+    splits = {"train": {"shards": shards}, "eval": {"shards": shards[-1:]}}
+    (fdir / "manifest.json").write_text(json.dumps({"splits": splits}))
+    out = tmp_path / "scaling.json"
+    argv = ["--features", str(fdir), "--target", str(setup["target"]), "--shards", "1,2"]
+    argv += ["--epochs", "1", "--lr", "3e-3", "--batch-tokens", "64", "--vocab-subset", "0"]
+    assert scaling.main([*argv, "--output", str(out)]) == 0
+
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert [r["tokens"] for r in rows] == [
+        sum(shards[0]["lengths"]),
+        sum(shards[0]["lengths"] + shards[1]["lengths"]),
+    ]
+    head = trainer.build_head(setup["target"], init="target", seed=0)
+    cfg = trainer.TrainConfig(epochs=1, lr=3e-3, min_lr_ratio=0.05, batch_tokens=64, vocab_subset=0, seed=0)
+    trainer.train(head, fdir, shards[:2], None, cfg, progress=False)
+    alone = trainer.evaluate(head, fdir, shards[-1:], 64)
+    assert rows[1]["eval"]["ShareGPT"] == pytest.approx(alone)
+    assert rows[0]["eval"]["ShareGPT"]["loss"] != pytest.approx(alone["loss"])
+    assert set(record["fits"]) == {"ShareGPT"}
+    assert out.with_suffix(".md").read_text().count("\n| ") == 3  # header + 2 heads
+    assert out.with_suffix(".png").stat().st_size > 10_000
 
 
 def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
