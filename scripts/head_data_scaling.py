@@ -108,10 +108,10 @@ def markdown(
     lines.append("")
     for n in names:
         f = fit[n]
-        reach = f"{f['tokens_for_goal']:,.0f} tokens" if f["tokens_for_goal"] else "never"
+        reach = f"{f['tokens_for_goal'] / 1e6:.1f}M tokens" if f["tokens_for_goal"] else "never"
         lines.append(
-            f"- {n}: top-1 = {100 * f['a']:.1f} + {100 * f['per_doubling']:.2f} × log2(tokens) points; "
-            f"{100 * goal:.0f}% at {reach} by this fit (an optimistic extrapolation)"
+            f"- {n}: +{100 * f['per_doubling']:.1f} points of top-1 per doubling of the data; "
+            f"{100 * goal:.0f}% at {reach} by this fit (optimistic: such curves bend down)"
         )
     return "\n".join(lines) + "\n"
 
@@ -163,16 +163,17 @@ def _prefixes(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    same = "as in train_eagle_head.py (every head the same)"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--features", type=Path, required=True, help="a feature run folder (holds manifest.json)")
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "smollm2-135m-instruct")
     p.add_argument("--shards", type=_prefixes, required=True, help="training-shard prefixes, e.g. 1,2,4")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.05)
-    p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--ce-weight", type=float, default=0.1)
-    p.add_argument("--vocab-subset", type=int, default=8192)
+    p.add_argument("--epochs", type=int, default=4, help=same)
+    p.add_argument("--lr", type=float, default=1e-3, help=same)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05, help=same)
+    p.add_argument("--batch-tokens", type=int, default=2048, help=same)
+    p.add_argument("--ce-weight", type=float, default=0.1, help=same)
+    p.add_argument("--vocab-subset", type=int, default=8192, help=same)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goal", type=float, default=0.6, help="top-1 to extrapolate the data for")
     p.add_argument("--threads", type=int, default=None)

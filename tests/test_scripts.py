@@ -62,6 +62,7 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
             ["--distilled", "--eval-distilled", "--vocab-subset", "--ce-weight", "--resume", "--seed"],
         ),
         ("distill_target.py", ["--source", "--num-prompts", "--skip", "--max-tokens", "--output"]),
+        ("head_data_scaling.py", ["--features", "--shards", "--epochs", "--goal", "--output"]),
     ],
 )
 def test_script_help(script: str, flags: list[str]) -> None:
