@@ -99,6 +99,7 @@ def fits(rows: Sequence[dict[str, Any]], goal: float) -> dict[str, dict[str, flo
 def markdown(
     rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: float, command: str
 ) -> str:
+    """The table of every head's held-out top-1 / top-5, then one line per fit."""
     names = list(rows[0]["eval"])
     head = "| training tokens | training minutes | " + " | ".join(f"{n} top-1 / top-5" for n in names) + " |"
     lines = [f"`{command}`", "", head, "|" + "---|" * (2 + len(names))]
@@ -117,6 +118,7 @@ def markdown(
 
 
 def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: float, path: Path) -> None:
+    """PNG: held-out top-1 against tokens (log scale), each fit drawn out to the goal (or 1000x the data)."""
     import matplotlib
 
     matplotlib.use("Agg")
