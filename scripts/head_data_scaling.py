@@ -6,7 +6,7 @@ the same recipe and seed, and evaluates each on the run's held-out sets. Top-1 a
 ``a + b * log2(tokens)`` (``b`` = points per doubling of the data), and the fit is extrapolated to
 ``--goal``: an optimistic estimate, since such curves bend down as the data grows.
 
-Example (about 40 minutes on 2 CPU cores for the five shards of a 462k-token run)::
+Example (35 minutes on 2 CPU cores for the five shards of a 462k-token run)::
 
     .venv/bin/python scripts/head_data_scaling.py --features scratch/eagle_features/<run> \\
         --shards 1,2,3,4,5 --epochs 4 --lr 1e-3 --output results/head-scaling.json
@@ -25,22 +25,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # scripts/ is not a package
+import train_eagle_head as trainer  # noqa: E402
+
 # train_eagle_head.py's held-out splits: ShareGPT conversations, and the --eval-distilled replies
 SPLIT_LABELS = {"eval": "ShareGPT", "eval_distilled": "distilled answers"}
-
-
-def load_trainer() -> ModuleType:
-    """scripts/train_eagle_head.py as a module (scripts/ is not a package)."""
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    import train_eagle_head
-
-    return train_eagle_head
 
 
 def fit_log_linear(tokens: Sequence[float], values: Sequence[float]) -> tuple[float, float]:
@@ -59,16 +53,15 @@ def tokens_for(goal: float, a: float, b: float) -> float | None:
 
 
 def run(
-    trainer: ModuleType,
     target: Path,
     fdir: Path,
     train_shards: Sequence[dict[str, Any]],
     eval_sets: dict[str, Sequence[dict[str, Any]]],
     prefixes: Sequence[int],
-    cfg: Any,
+    cfg: trainer.TrainConfig,
 ) -> list[dict[str, Any]]:
-    """One head per prefix: trained from the same init on ``train_shards[:k]`` with ``cfg`` (a
-    ``TrainConfig``), then evaluated on every held-out set. Returns one row per prefix:
+    """One head per prefix: trained from the same init on ``train_shards[:k]`` with ``cfg``, then
+    evaluated on every held-out set. Returns one row per prefix:
     ``{"shards": k, "tokens": int, "train_seconds": float, "eval": {set name: metrics}}``."""
     rows = []
     for k in prefixes:
@@ -127,12 +120,12 @@ def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: f
     tokens = [r["tokens"] for r in rows]
     reach = [f["tokens_for_goal"] for f in fit.values() if f["tokens_for_goal"]]
     hi = max([max(tokens) * 4, *[min(t, max(tokens) * 1000) for t in reach]])
+    xs = [min(tokens) * (hi / min(tokens)) ** (i / 50) for i in range(51)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, f in fit.items():
         (line,) = ax.plot(
             tokens, [100 * r["eval"][name]["top1"] for r in rows], "o", label=f"{name} (held out)"
         )
-        xs = [min(tokens) * (hi / min(tokens)) ** (i / 50) for i in range(51)]
         ys = [100 * (f["a"] + f["per_doubling"] * math.log2(x)) for x in xs]
         ax.plot(
             xs,
@@ -174,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help=same)
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help=same)
     p.add_argument("--batch-tokens", type=int, default=2048, help=same)
-    p.add_argument("--ce-weight", type=float, default=0.1, help=same)
+    p.add_argument("--ce-weight", type=float, default=trainer.CE_WEIGHT, help=same)
     p.add_argument("--vocab-subset", type=int, default=8192, help=same)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goal", type=float, default=0.6, help="top-1 to extrapolate the data for")
@@ -196,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
-    trainer = load_trainer()
     eval_sets = {
         SPLIT_LABELS.get(name, name): split["shards"]
         for name, split in manifest["splits"].items()
@@ -211,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_subset=args.vocab_subset,
         seed=args.seed,
     )
-    rows = run(
-        trainer, args.target.resolve(), args.features.resolve(), train_shards, eval_sets, args.shards, cfg
-    )
+    rows = run(args.target.resolve(), args.features.resolve(), train_shards, eval_sets, args.shards, cfg)
     fit = fits(rows, args.goal)
     command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
