@@ -13,7 +13,10 @@ Pipeline (one command, reproducible from ``--seed``):
 2. Features: the target runs in bfloat16 (transformers) over every conversation; its LAST hidden state
    AFTER the final norm (what vLLM hands the drafter), the token ids and the target's top-16 next-token
    log-probs are written to safetensors shards under ``--feature-dir/<fingerprint>/`` and streamed
-   back shard by shard during training. Extraction resumes at the first missing shard.
+   back shard by shard during training. Extraction resumes at the first missing shard, and a shard
+   that any earlier run extracted (same target, same sequences) is hard-linked from
+   ``--feature-dir/by-content/`` instead: a data set grown by appending ``--distilled`` files (made in
+   several sittings) pays only for its new tokens.
 3. The head (vLLM's ``EagleLlamaForCausalLM`` semantics, see ``vllm_eagle2/tiny_models.py``): at position
    ``i`` the input is ``fc(cat(embed(t_{i+1}), z_i))``; one Llama decoder layer WITHOUT input norm
    (residual stream, post-attention RMSNorm, SwiGLU MLP); the output goes to the target's ``lm_head``
@@ -363,6 +366,8 @@ def write_feature_shards(
     desc: str | None = None,
     target_topk: int = TARGET_TOPK,
     aux_layers: Sequence[int] = (),
+    store: Path | None = None,
+    identity: bytes = b"",
 ) -> list[dict[str, Any]]:
     """Run ``model`` (a transformers causal LM) over every sequence and write bf16 feature shards.
 
@@ -375,7 +380,10 @@ def write_feature_shards(
     [N, len(aux_layers) * H]: the residual stream entering each of those target layers (transformers'
     ``hidden_states[l]``), side by side in the given order (EAGLE-3's low/middle-layer features).
     The split of sequences into shards is fixed by their lengths, and existing shards are kept, so an
-    interrupted extraction resumes.
+    interrupted extraction resumes. With ``store`` every shard is also hard-linked there under
+    :func:`shard_key` of ``identity`` (the model's, :func:`feature_identity`) and its sequences, and a
+    shard found there is linked instead of computed: a data set that grows by appending files
+    extracts only its new shards.
     Returns the shard list (file, lengths).
     """
     from safetensors.torch import save_file
@@ -390,6 +398,13 @@ def write_feature_shards(
             count = 0
         plan[-1].append(i)
         count += len(ids)
+    keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
+    if store is not None:
+        store.mkdir(parents=True, exist_ok=True)
+        for k, key in enumerate(keys):
+            name = out_dir / f"{split}-{k:05d}.safetensors"
+            if not name.exists() and (store / key).exists():
+                os.link(store / key, name)
     shards: list[dict[str, Any]] = []
     todo = [k for k in range(len(plan)) if not (out_dir / f"{split}-{k:05d}.safetensors").exists()]
     todo_tokens = sum(len(seqs.ids[i]) for k in todo for i in plan[k])
@@ -433,20 +448,37 @@ def write_feature_shards(
         tmp = out_dir / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out_dir / name)
+        if store is not None and not (store / keys[k]).exists():
+            os.link(out_dir / name, store / keys[k])
     bar.close()
     return shards
+
+
+def feature_identity(target_dir: Path, aux_layers: Sequence[int] = ()) -> bytes:
+    """What makes two feature extractions of the same tokens equal: the target (config, weight file
+    sizes), the shard format and the stored aux layers."""
+    parts = [(target_dir / "config.json").read_bytes()]
+    parts += [f"{p.name}:{p.stat().st_size}".encode() for p in sorted(target_dir.glob("*.safetensors"))]
+    parts.append(f"format{FEATURE_FORMAT}".encode())
+    if aux_layers:
+        parts.append(f"aux{list(aux_layers)}".encode())
+    return b"".join(parts)
+
+
+def shard_key(identity: bytes, ids: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> str:
+    """Content address of a feature shard: hex sha256 of ``identity`` and its sequences' tokens and masks."""
+    h = hashlib.sha256(identity)
+    for seq, mask in zip(ids, masks):
+        h.update(len(seq).to_bytes(4, "little"))
+        h.update(torch.tensor(seq, dtype=torch.int32).numpy().tobytes())
+        h.update(bytes(mask))
+    return h.hexdigest() + ".safetensors"
 
 
 def data_fingerprint(target_dir: Path, splits: dict[str, Sequences], aux_layers: Sequence[int] = ()) -> str:
     """Hash of the target (config, weight file sizes), the stored aux layers and every token id and mask
     of every split."""
-    h = hashlib.sha256()
-    h.update((target_dir / "config.json").read_bytes())
-    for path in sorted(target_dir.glob("*.safetensors")):
-        h.update(f"{path.name}:{path.stat().st_size}".encode())
-    h.update(f"format{FEATURE_FORMAT}".encode())
-    if aux_layers:
-        h.update(f"aux{list(aux_layers)}".encode())
+    h = hashlib.sha256(feature_identity(target_dir, aux_layers))
     for name, seqs in splits.items():
         h.update(f"|split {name}|".encode())
         for ids, mask in zip(seqs.ids, seqs.masks):
@@ -462,8 +494,10 @@ def extract_features(
     shard_tokens: int,
     aux_layers: Sequence[int] = (),
 ) -> tuple[Path, dict[str, Any]]:
-    """Features of every split under ``feature_root/<fingerprint[:16]>`` (reused when already complete)."""
+    """Features of every split under ``feature_root/<fingerprint[:16]>`` (reused when already complete;
+    shards that another run already extracted are hard-linked from ``feature_root/by-content``)."""
     fp = data_fingerprint(target_dir, splits, aux_layers)
+    identity = feature_identity(target_dir, aux_layers)
     fdir = feature_root / fp[:16]
     manifest_path = fdir / "manifest.json"
     if manifest_path.exists():
@@ -485,7 +519,16 @@ def extract_features(
         "splits": {},
     }
     for split, seqs in splits.items():
-        shards = write_feature_shards(model, seqs, fdir, split, shard_tokens, aux_layers=aux_layers)
+        shards = write_feature_shards(
+            model,
+            seqs,
+            fdir,
+            split,
+            shard_tokens,
+            aux_layers=aux_layers,
+            store=feature_root / "by-content",
+            identity=identity,
+        )
         manifest["splits"][split] = {
             "shards": shards,
             "num_sequences": len(seqs.ids),

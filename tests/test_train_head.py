@@ -85,6 +85,36 @@ def test_feature_shards(setup: dict, trainer: ModuleType) -> None:
     torch.testing.assert_close(data["topk_logp"][:n0], stored, atol=2e-2, rtol=1e-2)
 
 
+def test_a_grown_data_set_links_the_shards_it_shares_instead_of_extracting_them(
+    setup: dict, trainer: ModuleType, tmp_path: Path
+) -> None:
+    """Appending sequences keeps the earlier full shards: they come from the content store, not the target."""
+    seqs, model = setup["seqs"], setup["model"]
+    first = trainer.Sequences(ids=seqs.ids[:5], masks=seqs.masks[:5], names=seqs.names[:5])
+    store = tmp_path / "by-content"
+
+    def extract(data: object, out: str, identity: bytes) -> list[dict]:
+        return trainer.write_feature_shards(
+            model, data, tmp_path / out, "train", 150, store=store, identity=identity
+        )
+
+    extract(first, "a", b"t")
+    calls: list[int] = []
+    hook = model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        grown = extract(seqs, "b", b"t")
+        assert len(calls) == 3  # sequences 5-7; shards [0-2] and [3, 4] were linked
+        extract(seqs, "c", b"u")
+        assert len(calls) == 3 + len(seqs.ids)  # another target's features are never reused
+    finally:
+        hook.remove()
+    assert grown == setup["shards"]
+    for k in (0, 1):
+        name = f"train-{k:05d}.safetensors"
+        assert (tmp_path / "a" / name).stat().st_ino == (tmp_path / "b" / name).stat().st_ino
+    assert len(list(store.iterdir())) == len(grown) + len(setup["shards"])
+
+
 def test_subset_loss_equals_full_loss_over_the_whole_vocabulary(setup: dict, trainer: ModuleType) -> None:
     """With every token in the subset and in the soft label, the reduced CE is the full CE, gradient too."""
     head = trainer.build_head(setup["target"], init="target", seed=0)
