@@ -398,8 +398,9 @@ def write_feature_shards(
             count = 0
         plan[-1].append(i)
         count += len(ids)
-    keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
+    keys: list[str] = []
     if store is not None:
+        keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
         store.mkdir(parents=True, exist_ok=True)
         for k, key in enumerate(keys):
             name = out_dir / f"{split}-{k:05d}.safetensors"
