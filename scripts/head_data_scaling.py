@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=4, help=same)
     p.add_argument("--lr", type=float, default=1e-3, help=same)
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help=same)
-    p.add_argument("--batch-tokens", type=int, default=2048, help=same)
+    p.add_argument("--batch-tokens", type=int, default=trainer.TrainConfig.batch_tokens, help=same)
     p.add_argument("--ce-weight", type=float, default=trainer.CE_WEIGHT, help=same)
     p.add_argument("--vocab-subset", type=int, default=8192, help=same)
     p.add_argument("--seed", type=int, default=0)

@@ -398,22 +398,21 @@ def write_feature_shards(
             count = 0
         plan[-1].append(i)
         count += len(ids)
+    names = [f"{split}-{k:05d}.safetensors" for k in range(len(plan))]
     keys: list[str] = []
     if store is not None:
         keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
         store.mkdir(parents=True, exist_ok=True)
-        for k, key in enumerate(keys):
-            name = out_dir / f"{split}-{k:05d}.safetensors"
-            if not name.exists() and (store / key).exists():
-                os.link(store / key, name)
+        for name, key in zip(names, keys):
+            if not (out_dir / name).exists() and (store / key).exists():
+                os.link(store / key, out_dir / name)
     shards: list[dict[str, Any]] = []
-    todo = [k for k in range(len(plan)) if not (out_dir / f"{split}-{k:05d}.safetensors").exists()]
+    todo = [k for k, name in enumerate(names) if not (out_dir / name).exists()]
     todo_tokens = sum(len(seqs.ids[i]) for k in todo for i in plan[k])
     bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
     inner = getattr(model, "model", model)
     lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
-    for k, members in enumerate(plan):
-        name = f"{split}-{k:05d}.safetensors"
+    for k, (name, members) in enumerate(zip(names, plan)):
         shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
         if k not in todo:
             continue
