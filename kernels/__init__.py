@@ -3,6 +3,7 @@
 from .tree_attention import (
     KV_LAYOUTS,
     check_cpu_kv_layout,
+    cpu_backend,
     kv_cache_views,
     paged_tree_attention,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "TreeMasks",
     "build_tree_masks",
     "check_cpu_kv_layout",
+    "cpu_backend",
     "kv_cache_views",
     "pack_tree_mask",
     "paged_tree_attention",

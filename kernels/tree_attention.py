@@ -27,12 +27,17 @@ CPU (``"cpu"``) and CUDA FlashAttention/Triton (``"flash"``) cache layouts
 without copying, and :func:`check_cpu_kv_layout` verifies the CPU layout
 against vLLM's own cache-write op.
 
-Two interchangeable backends:
+Three interchangeable backends:
 
+* ``"cpp"``    -- a C++ CPU kernel (``csrc/tree_attention_cpu.cpp``, built on first use):
+  reads K/V in place through the block table and the caches' strides, float32 scores,
+  the G query heads of a kv head sharing each K/V read, parallel over (query, kv head).
+  The CPU path inside vLLM; validates the index values like the torch backend.
 * ``"torch"``  -- batched pure torch (gathers each request's K/V through the
   block table, float32 scores, masked softmax; no Python loop over requests
-  or tokens, only over chunks of kv heads to bound memory).  CPU path and
-  test oracle.  Also validates the index values (one host sync).
+  or tokens, only over chunks of kv heads to bound memory).  The test oracle, and
+  the CPU path where the C++ kernel cannot be built.  Also validates the index values
+  (one host sync).
 * ``"triton"`` -- a flash-attention style Triton kernel with online softmax
   in float32.  One program per (tile of ``BLOCK_Q`` query tokens of one
   request, kv head); its rows are the ``BLOCK_Q x (H // Hkv)`` (query token,
@@ -44,6 +49,7 @@ Two interchangeable backends:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -51,11 +57,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._cpp import load_cpu_ops
 from ._triton import HAS_TRITON, tl, triton
 
 __all__ = [
     "KV_LAYOUTS",
     "check_cpu_kv_layout",
+    "cpu_backend",
     "kv_cache_views",
     "paged_tree_attention",
 ]
@@ -68,6 +76,8 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: float32 elements of the score tensor the torch backend materialises per kv-head chunk.
 _TORCH_SCORE_BUDGET = 1 << 26
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- #
@@ -432,6 +442,74 @@ def _paged_tree_attention_torch(
 
 
 # --------------------------------------------------------------------------- #
+# C++ CPU backend
+# --------------------------------------------------------------------------- #
+
+_cpp_state: dict[str, bool] = {}
+
+
+#: Environment variable that picks the CPU backend of ``backend="auto"`` (unset: cpp, else torch).
+CPU_BACKEND_ENV = "VLLM_EAGLE2_CPU_ATTENTION"
+
+
+def cpu_backend() -> str:
+    """The backend ``"auto"`` takes on CPU: ``"cpp"`` (built on the first call), else ``"torch"``.
+
+    ``$VLLM_EAGLE2_CPU_ATTENTION`` = ``cpp`` or ``torch`` forces one (``cpp`` then fails if the
+    kernel cannot be built, instead of falling back).
+
+    Raises:
+        ValueError: the variable holds another value.
+        RuntimeError: it says ``cpp`` and the kernel cannot be built.
+    """
+    forced = os.environ.get(CPU_BACKEND_ENV, "")
+    if forced not in ("", "cpp", "torch"):
+        raise ValueError(f"{CPU_BACKEND_ENV} must be 'cpp' or 'torch' (or unset), got {forced!r}")
+    if forced == "torch":
+        return "torch"
+    if forced == "cpp":
+        load_cpu_ops()
+        return "cpp"
+    if "ok" not in _cpp_state:
+        try:
+            load_cpu_ops()
+            _cpp_state["ok"] = True
+        except RuntimeError as exc:
+            logger.warning("eagle2 tree attention falls back to its slower torch backend: %s", exc)
+            _cpp_state["ok"] = False
+    return "cpp" if _cpp_state["ok"] else "torch"
+
+
+def _paged_tree_attention_cpp(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    plan_cache: dict | None = None,
+) -> None:
+    """Run the C++ kernel; writes ``out`` ``[Q, H, D]``.
+
+    ``plan_cache`` keeps the index tensors as the kernel takes them (contiguous int64 / int32)
+    for every layer of one forward.
+    """
+    load_cpu_ops()
+    key = ("cpp", query.shape[0])
+    idx = plan_cache.get(key) if plan_cache is not None else None
+    if idx is None:
+        lengths = (block_table, query_start_loc, context_lens, region_lens)
+        idx = (*(t.to(torch.int64).contiguous() for t in lengths), mask.contiguous())
+        if plan_cache is not None:
+            plan_cache[key] = idx
+    torch.ops.eagle2_cpu.tree_attention(query, key_cache, value_cache, *idx, float(scale), out)
+
+
+# --------------------------------------------------------------------------- #
 # Triton backend
 # --------------------------------------------------------------------------- #
 
@@ -717,13 +795,14 @@ def paged_tree_attention(
             ``>= q_r`` and bits ``>= T`` are ignored.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[Q, H, D]`` output (query's dtype/device, any strides).
-        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when the
-            query is on CUDA and Triton is importable, else torch).
+        backend: ``"cpp"``, ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when the
+            query is on CUDA and Triton is importable; on CPU :func:`cpu_backend`).
         plan_cache: optional dict owned by the caller, shared by calls whose index
             tensors (``block_table`` .. ``mask``) are the same, e.g. every layer of one
             forward: the torch backend validates and indexes them once and keeps the
             result there (measured on CPU, 30 layer calls of a 9-query tree over 400
-            context tokens: 24 ms -> 16 ms).  Unused by Triton.
+            context tokens: 24 ms -> 16 ms); the C++ backend its int64 copies of them.
+            Unused by Triton.
 
     Returns:
         ``[Q, H, D]`` in the query's dtype (``out`` when given).
@@ -733,15 +812,21 @@ def paged_tree_attention(
             ``backend``; (torch backend only) inconsistent lengths.
     """
     if backend == "auto":
-        backend = "triton" if (isinstance(query, torch.Tensor) and query.is_cuda and HAS_TRITON) else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        on_cuda = isinstance(query, torch.Tensor) and query.is_cuda
+        if on_cuda:
+            backend = "triton" if HAS_TRITON else "torch"
+        else:
+            backend = cpu_backend()
+    if backend not in ("cpp", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'cpp', 'torch' or 'triton', got {backend!r}")
     tensors = (query, key_cache, value_cache, block_table, query_start_loc, context_lens, region_lens, mask)
     _check_args(*tensors, out)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if backend == "torch":
         _paged_tree_attention_torch(*tensors, scale, out, plan_cache)
+    elif backend == "cpp":
+        _paged_tree_attention_cpp(*tensors, scale, out, plan_cache)
     else:
         _paged_tree_attention_triton(*tensors, scale, out)
     return out

@@ -1,4 +1,4 @@
-"""Tests of paged tree attention (torch twin, Triton kernel) and the KV-cache layout views.
+"""Tests of paged tree attention (torch twin, C++ CPU kernel, Triton kernel) and the KV-cache views.
 
 The Triton kernel is run under the Triton interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` must be set before triton is imported).
@@ -26,6 +26,8 @@ from vllm_eagle2.kernels import (
     pack_tree_mask,
     paged_tree_attention,
 )
+from vllm_eagle2.kernels import tree_attention as ta
+from vllm_eagle2.kernels._cpp import load_cpu_ops
 from vllm_eagle2.kernels.tree_attention import _paged_tree_attention_triton
 
 # Triton is part of the test install (vLLM pulls it in): missing, these tests must fail, not skip.
@@ -223,15 +225,24 @@ def reference(case: Case) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# Torch backend vs. reference
+# The CPU backends (torch twin, C++ kernel) vs. reference
 # --------------------------------------------------------------------------- #
 
+CPU_BACKENDS = ["torch", "cpp"]
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpp_kernel_built() -> None:
+    """The C++ kernel is part of the package: a machine that cannot build it fails here, loudly."""
+    load_cpu_ops()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_matches_reference(layout: str, dtype: torch.dtype) -> None:
+def test_cpu_backend_matches_reference(backend: str, layout: str, dtype: torch.dtype) -> None:
     case = make_case(layout, dtype)
-    got = paged_tree_attention(*case.args(), backend="torch")
+    got = paged_tree_attention(*case.args(), backend=backend)
     assert got.dtype == dtype and got.shape == case.query.shape
     assert not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -240,28 +251,43 @@ def test_torch_matches_reference(layout: str, dtype: torch.dtype) -> None:
     assert (got == 0).all(-1).any()
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize(("h", "hkv"), [(2, 2), (6, 2), (4, 1)])
-def test_torch_head_groupings(h: int, hkv: int) -> None:
+def test_cpu_backend_head_groupings(backend: str, h: int, hkv: int) -> None:
     case = make_case("cpu", h=h, hkv=hkv, requests=REQUESTS[:4], seed=3)
-    got = paged_tree_attention(*case.args(), backend="torch")
+    got = paged_tree_attention(*case.args(), backend=backend)
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [8, 24, 40])
+def test_cpp_head_sizes_off_its_vector_width(d: int) -> None:
+    """The C++ kernel works in lanes of 16 floats: head sizes that are no multiple of 16."""
+    case = make_case("cpu", d=d, requests=REQUESTS[:4], seed=12)
+    got = paged_tree_attention(*case.args(), backend="cpp")
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_many_queries_per_request() -> None:
+    """More queries than one work item holds (8), so a request's queries span several tiles."""
+    case = make_case("cpu", requests=[(40, 45, 45, "tree"), (3, 20, 17, "causal")], seed=13)
+    got = paged_tree_attention(*case.args(), backend="cpp")
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
 
 
 def test_torch_head_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny score budget forces one kv head per chunk; same result."""
-    import vllm_eagle2.kernels.tree_attention as ta
-
     case = make_case("flash", h=6, hkv=3, requests=REQUESTS[:3], seed=4)
     want = paged_tree_attention(*case.args(), backend="torch")
     monkeypatch.setattr(ta, "_TORCH_SCORE_BUDGET", 1)
     torch.testing.assert_close(paged_tree_attention(*case.args(), backend="torch"), want, atol=0, rtol=0)
 
 
-def test_torch_plan_cache_keeps_indices_not_data() -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_plan_cache_keeps_indices_not_data(backend: str) -> None:
     """Every layer of a forward shares the index work (plan_cache); each layer's own data counts."""
     case = make_case("cpu", requests=REQUESTS[:4], seed=6)
     cache: dict = {}
-    got = paged_tree_attention(*case.args(), backend="torch", plan_cache=cache)
+    got = paged_tree_attention(*case.args(), backend=backend, plan_cache=cache)
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
     assert cache, "the index work was not kept"
     # The next layer: the same index tensors, other queries and other cache contents.
@@ -270,28 +296,66 @@ def test_torch_plan_cache_keeps_indices_not_data() -> None:
         for t in logical:
             t.mul_(-2.0).add_(0.5)
     case.query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(7))
-    got = paged_tree_attention(*case.args(), backend="torch", plan_cache=cache)
+    got = paged_tree_attention(*case.args(), backend=backend, plan_cache=cache)
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
 
 
-def test_out_argument_auto_backend_and_strided_out() -> None:
+def test_auto_backend_on_cpu_is_the_cpp_kernel_with_strided_out(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case("cpu", requests=REQUESTS[:3], seed=5)
     want = reference(case)
+    used = []
+    monkeypatch.delenv(ta.CPU_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(ta, "_paged_tree_attention_torch", lambda *a: used.append("torch"))
     buf = torch.full((case.query.shape[0], 4, 2 * case.query.shape[2]), float("nan"))
     out = buf[:, :, ::2]  # non-contiguous
-    got = paged_tree_attention(*case.args(), out=out)  # auto -> torch on CPU
-    assert got is out
+    got = paged_tree_attention(*case.args(), out=out)
+    assert got is out and not used
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_no_queries_and_no_tokens() -> None:
+def test_auto_backend_falls_back_to_torch_when_the_kernel_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler() -> None:
+        raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
+
+    monkeypatch.setattr(ta, "load_cpu_ops", no_compiler)
+    monkeypatch.setattr(ta, "_cpp_state", {})  # as in a fresh process
+    monkeypatch.delenv(ta.CPU_BACKEND_ENV, raising=False)
+    case = make_case("cpu", requests=REQUESTS[:3], seed=5)
+    with caplog.at_level("WARNING"):
+        got = paged_tree_attention(*case.args())
+        paged_tree_attention(*case.args())
+    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
+    warnings = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+
+
+def test_cpu_backend_is_chosen_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler() -> None:
+        raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
+
+    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "torch")
+    assert ta.cpu_backend() == "torch"
+    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "cpp")
+    assert ta.cpu_backend() == "cpp"
+    monkeypatch.setattr(ta, "load_cpu_ops", no_compiler)
+    with pytest.raises(RuntimeError, match="no compiler"):  # forced: no silent fallback
+        ta.cpu_backend()
+    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "triton")
+    with pytest.raises(ValueError, match="VLLM_EAGLE2_CPU_ATTENTION must be 'cpp' or 'torch'"):
+        ta.cpu_backend()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_no_queries_and_no_tokens(backend: str) -> None:
     case = make_case("flash", requests=[(4, 3, 0, "tree"), (0, 2, 0, "causal")])
     assert case.query.shape[0] == 0
-    assert paged_tree_attention(*case.args(), backend="torch").shape == (0, 4, 16)
+    assert paged_tree_attention(*case.args(), backend=backend).shape == (0, 4, 16)
     # A single request whose only query sees nothing at all (C = 0, empty mask row).
     case = make_case("flash", requests=[(0, 1, 1, "causal")])
     case.mask.zero_()
-    got = paged_tree_attention(*case.args(), backend="torch")
+    got = paged_tree_attention(*case.args(), backend=backend)
     assert torch.equal(got, torch.zeros_like(got))
 
 
@@ -460,9 +524,10 @@ def test_vllm_cpu_cache_op_round_trip(dtype: torch.dtype) -> None:
     assert torch.equal(v_view[blk, :, off], val)
 
     case.key_cache, case.value_cache, case.block_table = k_view, v_view, bt
-    got = paged_tree_attention(*case.args(), backend="torch")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), reference(case), atol=tol, rtol=tol)
+    for backend in CPU_BACKENDS:
+        got = paged_tree_attention(*case.args(), backend=backend)
+        torch.testing.assert_close(got.float(), reference(case), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
@@ -514,7 +579,7 @@ def _replace(case: Case, **kw: object) -> tuple:
     return tuple(args.values())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton", "auto"])
 def test_invalid_arguments_raise(backend: str) -> None:
     case = make_case("flash", requests=REQUESTS[:2])
     q, kc = case.query, case.key_cache
@@ -541,7 +606,8 @@ def test_invalid_arguments_raise(backend: str) -> None:
         paged_tree_attention(*case.args(), backend="cuda")
 
 
-def test_invalid_values_raise_on_torch_backend() -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_invalid_values_raise_on_cpu_backends(backend: str) -> None:
     case = make_case("flash", requests=REQUESTS[:2])
     qsl = case.query_start_loc
     bad: list[tuple[str, dict[str, object]]] = [
@@ -554,4 +620,4 @@ def test_invalid_values_raise_on_torch_backend() -> None:
     ]
     for match, kw in bad:
         with pytest.raises(ValueError, match=match):
-            paged_tree_attention(*_replace(case, **kw), backend="torch")
+            paged_tree_attention(*_replace(case, **kw), backend=backend)

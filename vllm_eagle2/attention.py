@@ -3,8 +3,8 @@
 vLLM's attention kernels know causal masks only. Every attention layer's implementation
 is wrapped once (:func:`wrap_attention_layers`): the stock kernel still writes the KV cache
 and computes all rows, then the rows of tree queries are recomputed by
-:func:`vllm_eagle2.kernels.paged_tree_attention` (Triton on CUDA, torch on CPU) with their
-per-request masks and written over the stock result. Which rows, and with which masks, is
+:func:`vllm_eagle2.kernels.paged_tree_attention` (Triton on CUDA, the C++ kernel on CPU) with
+their per-request masks and written over the stock result. Which rows, and with which masks, is
 published for the next forward by :func:`set_tree_batch`: vLLM copies its attention
 metadata before the kernels see it, so extra fields would not survive that route.
 
@@ -14,12 +14,15 @@ accepted tree nodes can be moved into place afterwards with the backend's own wr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vllm_eagle2.kernels import check_cpu_kv_layout, kv_cache_views, paged_tree_attention
+from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,11 +108,12 @@ def _tree_forward(
 
 def wrap_attention_layers(layers: dict[str, Any]) -> None:
     """Wrap ``forward`` and ``do_kv_cache_update`` of every attention layer's impl once."""
-    for layer in layers.values():
-        impl = getattr(layer, "impl", None)
-        if impl is None or getattr(impl, "_eagle2_wrapped", False) or not hasattr(impl, "forward"):
-            continue
-        _layout_of(impl)  # fail at start-up, not mid-request, on an unknown backend
+    impls = (getattr(layer, "impl", None) for layer in layers.values())
+    todo = [i for i in impls if hasattr(i, "forward") and not getattr(i, "_eagle2_wrapped", False)]
+    layouts = {_layout_of(impl) for impl in todo}  # fail at start-up, not mid-request, if unknown
+    if "cpu" in layouts:  # build the C++ kernel now, not mid-request (about 15 s, once per machine)
+        logger.info("eagle2 tree attention on CPU: %s backend", cpu_backend())
+    for impl in todo:
         stock_forward = impl.forward
         stock_update = getattr(impl, "do_kv_cache_update", None)
 
