@@ -30,9 +30,10 @@ against vLLM's own cache-write op.
 Three interchangeable backends:
 
 * ``"cpp"``    -- a C++ CPU kernel (``csrc/tree_attention_cpu.cpp``, built on first use):
-  reads K/V in place through the block table and the caches' strides, float32 scores,
-  the G query heads of a kv head sharing each K/V read, parallel over (query, kv head).
-  The CPU path inside vLLM; validates the index values like the torch backend.
+  reads K/V in place through the block table and the caches' strides, float32 scores;
+  one work item per (request, tile of 8 of its queries, kv head), so each K/V block is
+  converted once for the tile's queries and the group's query heads.  The CPU path
+  inside vLLM; validates the index values like the torch backend.
 * ``"torch"``  -- batched pure torch (gathers each request's K/V through the
   block table, float32 scores, masked softmax; no Python loop over requests
   or tokens, only over chunks of kv heads to bound memory).  The test oracle, and
@@ -445,11 +446,9 @@ def _paged_tree_attention_torch(
 # C++ CPU backend
 # --------------------------------------------------------------------------- #
 
-_cpp_state: dict[str, bool] = {}
-
-
 #: Environment variable that picks the CPU backend of ``backend="auto"`` (unset: cpp, else torch).
 CPU_BACKEND_ENV = "VLLM_EAGLE2_CPU_ATTENTION"
+_cpp_state: dict[str, bool] = {}  # "ok": whether the kernel was built, once tried
 
 
 def cpu_backend() -> str:
@@ -809,7 +808,7 @@ def paged_tree_attention(
 
     Raises:
         ValueError: an argument has the wrong shape/dtype/device, unknown
-            ``backend``; (torch backend only) inconsistent lengths.
+            ``backend``; (torch and cpp backends) inconsistent lengths.
     """
     if backend == "auto":
         on_cuda = isinstance(query, torch.Tensor) and query.is_cuda

@@ -126,6 +126,10 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     // Padding rows and lanes are zero and stay zero: they add nothing and are never written out.
     std::vector<float> qbuf(rows_max * dim_pad, 0.0f), accbuf(rows_max * dim_pad);
     std::vector<float> sbuf(rows_max * round_up(max_len, kLanes), 0.0f), kvbuf(block_pad * dim_pad, 0.0f);
+    // Per row, the softmax's sum (0 = the row sees nothing): the output is divided by it at the
+    // end, as flash-style kernels do, rather than the probabilities scaled before P x V (that
+    // extra rounding made bf16 outputs differ from vLLM's own kernel 1.7x as often).
+    std::vector<float> denom(rows_max);
     float* __restrict__ qf = qbuf.data();
     float* __restrict__ acc = accbuf.data();
     float* __restrict__ kv = kvbuf.data();
@@ -175,7 +179,8 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         }
       }
 
-      // Tree mask over the region, then a softmax per row; a query that sees nothing gets zeros.
+      // Tree mask over the region, then exp(score - row max) and its sum per row; a query that
+      // sees nothing gets zeros.
       bool seen[kQueryTile];
       for (int64_t i = 0; i < nq; ++i) {
         const int32_t* mrow = mask + (r * max_q + q0 + i) * words;
@@ -192,6 +197,7 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         float* __restrict__ s = sc + row * s_pad;
         if (!seen[row / group]) {
           std::fill(s, s + s_pad, 0.0f);
+          denom[row] = 0.0f;
           continue;
         }
         std::fill(s + s_len, s + s_pad, kHidden);
@@ -206,13 +212,11 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           std::memcpy(s + t, &e, sizeof(e));
           sum += e;
         }
-        float denom = 0.0f;
-        for (int64_t l = 0; l < kLanes; ++l) denom += sum[l];
-        const float inv = 1.0f / denom;
-        for (int64_t t = 0; t < s_len; ++t) s[t] *= inv;
+        denom[row] = 0.0f;
+        for (int64_t l = 0; l < kLanes; ++l) denom[row] += sum[l];
       }
 
-      // Output: per cache block, values as float [n, D_pad], then [rows, n] x [n, D].
+      // Output: per cache block, values as float [n, D_pad], then [rows, n] x [n, D]; / sum at the end.
       std::fill(acc, acc + rows_pad * dim_pad, 0.0f);
       for (int64_t start = 0; start < s_len; start += block_size) {
         const int64_t n = std::min(block_size, s_len - start);
@@ -237,8 +241,11 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         const int64_t tok = qsl[r] + q0 + i;
         for (int64_t g = 0; g < group; ++g) {
           const float* a = acc + (i * group + g) * dim_pad;
+          const float den = denom[i * group + g];
           scalar_t* dst = o_ptr + tok * os0 + (kvh * group + g) * os1;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d * os2] = static_cast<scalar_t>(a[d]);
+          for (int64_t d = 0; d < head_dim; ++d) {
+            dst[d * os2] = static_cast<scalar_t>(den > 0.0f ? a[d] / den : 0.0f);
+          }
         }
       }
     }
