@@ -58,6 +58,7 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
         ),
         ("profile_step.py", ["--num-speculative-tokens", "--depth", "--topk", "--batch-size", "--output"]),
         ("bench_verify_forward.py", ["--m", "--cpu-attention", "--tiny", "--output"]),
+        ("compare_cpu_attention.py", ["--batch-size", "--tiny", "--output"]),
         (
             "train_eagle_head.py",
             ["--distilled", "--eval-distilled", "--vocab-subset", "--ce-weight", "--resume", "--seed"],
@@ -178,3 +179,33 @@ def test_profile_step_breakdown_adds_up_on_the_tiny_pair(tmp_path: Path) -> None
     assert base["ms_per_step"]["draft: expansion passes"] == 0
     assert tree["tokens_per_step"] > 1.0 and base["tokens_per_step"] == pytest.approx(1.0, abs=0.05)
     assert (out.with_suffix(".md")).read_text().count("|") > 20
+
+
+def test_cpu_attention_backends_agree_on_a_real_engines_inputs(tmp_path: Path) -> None:
+    """In float32 the C++ kernel and its torch twin give the same tree rows in every engine call."""
+    import json
+
+    out = tmp_path / "compare.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "compare_cpu_attention.py"),
+            "--tiny",
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "12",
+            "--batch-size",
+            "3",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["dtype"] == "float32" and summary["calls"] > 0
+    assert summary["cpp_vs_torch_max_abs_difference"] < 1e-4

