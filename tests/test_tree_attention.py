@@ -606,6 +606,27 @@ def test_invalid_arguments_raise(backend: str) -> None:
         paged_tree_attention(*case.args(), backend="cuda")
 
 
+def test_cpp_operator_checks_shapes_when_called_directly() -> None:
+    """torch.ops.eagle2_cpu.tree_attention is reachable without paged_tree_attention's checks."""
+    case = make_case("cpu", requests=REQUESTS[:2])
+    idx = [t.to(torch.int64).contiguous() for t in case.args()[3:7]]
+    op = torch.ops.eagle2_cpu.tree_attention
+    with pytest.raises(RuntimeError, match="out like query"):
+        op(case.query, case.key_cache, case.value_cache, *idx, case.mask, case.scale, torch.empty(1, 4, 16))
+    with pytest.raises(RuntimeError, match="lengths"):
+        op(
+            case.query,
+            case.key_cache,
+            case.value_cache,
+            *idx[:2],
+            idx[2][:1],
+            idx[3],
+            case.mask,
+            case.scale,
+            torch.empty_like(case.query),
+        )
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_invalid_values_raise_on_cpu_backends(backend: str) -> None:
     case = make_case("flash", requests=REQUESTS[:2])

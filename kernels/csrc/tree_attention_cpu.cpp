@@ -123,7 +123,8 @@ void tree_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t rows_max = round_up(kQueryTile * group, kRowBlock);
   const int64_t block_pad = round_up(block_size, kLanes);
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    // Padding rows and lanes are zero and stay zero: they add nothing and are never written out.
+    // Rows and lanes are padded to whole row blocks and lanes: the padding of the queries and of
+    // each key block is zero, so it adds nothing to real rows, and padding rows are never written.
     std::vector<float> qbuf(rows_max * dim_pad, 0.0f), accbuf(rows_max * dim_pad);
     std::vector<float> sbuf(rows_max * round_up(max_len, kLanes), 0.0f), kvbuf(block_pad * dim_pad, 0.0f);
     // Per row, the softmax's sum (0 = the row sees nothing): the output is divided by it at the
@@ -260,14 +261,25 @@ void tree_attention(const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                     const at::Tensor& region_lens, const at::Tensor& mask, double scale,
                     at::Tensor& out) {
+  // Shapes and dtypes (paged_tree_attention checks them with clearer messages first).
   TORCH_CHECK(query.device().is_cpu(), "tree_attention (cpp) runs on CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  out.sizes() == query.sizes() && key_cache.size(3) == query.size(2) &&
+                  key_cache.size(1) > 0 && query.size(1) % key_cache.size(1) == 0,
+              "tree_attention (cpp): query [Q, H, D], caches [blocks, Hkv, block_size, D], out like query");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "tree_attention (cpp): query, caches and out must share one dtype");
   for (const at::Tensor* t : {&block_table, &query_start_loc, &context_lens, &region_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "tree_attention (cpp): index tensors must be contiguous int64");
   }
-  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.is_contiguous(),
-              "tree_attention (cpp): mask must be contiguous int32");
+  TORCH_CHECK(mask.scalar_type() == at::kInt && mask.is_contiguous() && mask.dim() == 3,
+              "tree_attention (cpp): mask must be a contiguous int32 [R, max_q, W]");
   const int64_t num_req = block_table.size(0), max_blocks = block_table.size(1);
+  TORCH_CHECK(block_table.dim() == 2 && query_start_loc.numel() == num_req + 1 &&
+                  context_lens.numel() == num_req && region_lens.numel() == num_req && mask.size(0) == num_req,
+              "tree_attention (cpp): block_table [R, B], query_start_loc [R + 1], lengths [R], mask [R, ...]");
   const int64_t max_q = mask.size(1), words = mask.size(2);
   const int64_t block_size = key_cache.size(2), num_blocks = key_cache.size(0);
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -278,23 +290,24 @@ void tree_attention(const at::Tensor& query, const at::Tensor& key_cache,
   // The torch twin's value checks (ValueError in Python), as plain loops: after them no read can
   // leave the mask, the block table or the cache.
   TORCH_CHECK_VALUE(qsl[0] == 0 && qsl[num_req] == query.size(0),
-              "query_start_loc must start at 0 and end at Q=", query.size(0));
+                    "query_start_loc must start at 0 and end at Q=", query.size(0));
   for (int64_t r = 0; r < num_req; ++r) {
     const int64_t q_len = qsl[r + 1] - qsl[r];
     TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing");
     TORCH_CHECK_VALUE(q_len <= max_q, "a request has more queries than mask rows (max_q=", max_q, ")");
     TORCH_CHECK_VALUE(ctx[r] >= 0 && reg[r] >= 0, "context_lens and region_lens must be >= 0");
-    TORCH_CHECK_VALUE(q_len <= reg[r], "a request has more queries (query_start_loc) than region tokens (region_lens)");
+    TORCH_CHECK_VALUE(q_len <= reg[r],
+                      "a request has more queries (query_start_loc) than region tokens (region_lens)");
     TORCH_CHECK_VALUE(reg[r] <= 32 * words, "region_lens up to ", reg[r], " do not fit in mask's ", words,
-                " packed words");
+                      " packed words");
     const int64_t s_len = ctx[r] + reg[r];
     TORCH_CHECK_VALUE(s_len <= max_blocks * block_size, "context_lens + region_lens up to ", s_len,
-                " exceed block_table capacity ", max_blocks, " x ", block_size);
+                      " exceed block_table capacity ", max_blocks, " x ", block_size);
     if (q_len == 0) continue;
     for (int64_t b = 0; b * block_size < s_len; ++b) {
       const int64_t blk = bt[r * max_blocks + b];
       TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table entry ", blk, " out of range [0, ",
-                  num_blocks, ")");
+                        num_blocks, ")");
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "tree_attention", [&] {
