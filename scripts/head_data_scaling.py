@@ -4,7 +4,9 @@ Trains one head per prefix of an extracted feature set (the first K training sha
 ``scripts/train_eagle_head.py`` feature run, e.g. one made with ``--extract-only``), every head with
 the same recipe and seed, and evaluates each on the run's held-out sets. Top-1 agreement is fitted as
 ``a + b * log2(tokens)`` (``b`` = points per doubling of the data), and the fit is extrapolated to
-``--goal``: an optimistic estimate, since such curves bend down as the data grows.
+``--goal``: an optimistic estimate, since such curves bend down as the data grows. Heads whose data
+spans less than one doubling (largest / smallest < 2) get no fit: a slope over so short a span is
+noise (898k and 998k tokens once gave "+8.9 points per doubling").
 
 Example (35 minutes on 2 CPU cores for the five shards of a 462k-token run)::
 
@@ -80,10 +82,26 @@ def run(
     return rows
 
 
-def fits(rows: Sequence[dict[str, Any]], goal: float) -> dict[str, dict[str, float | None]]:
-    """Per held-out set: the top-1 fit and the tokens it extrapolates to ``goal`` (None: never)."""
-    out = {}
+#: The smallest ratio of the largest to the smallest training set that gets a fit: one doubling.
+MIN_FIT_SPAN = 2.0
+
+
+def token_span(rows: Sequence[dict[str, Any]]) -> float:
+    """Largest over smallest training-token count of the rows."""
+    tokens = [r["tokens"] for r in rows]
+    return max(tokens) / min(tokens)
+
+
+def fits(rows: Sequence[dict[str, Any]], goal: float) -> dict[str, dict[str, float | None] | None]:
+    """Per held-out set: the top-1 fit and the tokens it extrapolates to ``goal`` (None: never).
+
+    A set's fit is None when the rows span less than ``MIN_FIT_SPAN`` of training tokens.
+    """
+    out: dict[str, dict[str, float | None] | None] = {}
     for name in rows[0]["eval"]:
+        if token_span(rows) < MIN_FIT_SPAN:
+            out[name] = None
+            continue
         a, b = fit_log_linear([r["tokens"] for r in rows], [r["eval"][name]["top1"] for r in rows])
         out[name] = {"a": a, "per_doubling": b, "tokens_for_goal": tokens_for(goal, a, b)}
     return out
@@ -102,6 +120,11 @@ def markdown(
     lines.append("")
     for n in names:
         f = fit[n]
+        if f is None:
+            lines.append(
+                f"- {n}: no fit: the heads' data spans x{token_span(rows):.2f}, less than one doubling"
+            )
+            continue
         reach = f"{f['tokens_for_goal'] / 1e6:.1f}M tokens" if f["tokens_for_goal"] else "never"
         lines.append(
             f"- {n}: +{100 * f['per_doubling']:.1f} points of top-1 per doubling of the data; "
@@ -118,7 +141,7 @@ def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: f
     import matplotlib.pyplot as plt
 
     tokens = [r["tokens"] for r in rows]
-    reach = [f["tokens_for_goal"] for f in fit.values() if f["tokens_for_goal"]]
+    reach = [f["tokens_for_goal"] for f in fit.values() if f and f["tokens_for_goal"]]
     hi = max([max(tokens) * 4, *[min(t, max(tokens) * 1000) for t in reach]])
     xs = [min(tokens) * (hi / min(tokens)) ** (i / 50) for i in range(51)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -126,6 +149,8 @@ def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: f
         (line,) = ax.plot(
             tokens, [100 * r["eval"][name]["top1"] for r in rows], "o", label=f"{name} (held out)"
         )
+        if f is None:
+            continue
         ys = [100 * (f["a"] + f["per_doubling"] * math.log2(x)) for x in xs]
         ax.plot(
             xs,

@@ -252,6 +252,24 @@ def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
         scaling.parse_args(["--features", "x", "--shards", "2"])
 
 
+def test_data_scaling_gives_no_fit_over_less_than_one_doubling(tmp_path: Path) -> None:
+    """A slope over 898k-998k tokens is noise: no fit, the table says why, the plot has the points."""
+    scaling = _load_script("head_data_scaling")
+
+    def row(tokens: int, top1: float) -> dict:
+        return {"tokens": tokens, "train_seconds": 60.0, "eval": {"ShareGPT": {"top1": top1, "top5": 0.5}}}
+
+    short = [row(898_000, 0.417), row(998_000, 0.426)]
+    fit = scaling.fits(short, 0.6)
+    assert fit == {"ShareGPT": None}
+    assert "no fit: the heads' data spans x1.11, less than one doubling" in scaling.markdown(
+        short, fit, 0.6, "cmd"
+    )
+    scaling.plot(short, fit, 0.6, tmp_path / "short.png")
+    assert (tmp_path / "short.png").stat().st_size > 10_000
+    assert scaling.fits([row(100_000, 0.2), row(200_000, 0.25)], 0.6)["ShareGPT"] is not None  # one doubling
+
+
 def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
     setup: dict, trainer: ModuleType, tmp_path: Path
 ) -> None:
