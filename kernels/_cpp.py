@@ -10,7 +10,10 @@ shared with another kind of CPU never hands it a binary it cannot run.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +37,17 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _ninja_on_path() -> None:
+    """Put the interpreter's own ``bin/`` on PATH when ninja is only there.
+
+    vLLM installs the ``ninja`` package into the environment, but a venv used without activation
+    (``.venv/bin/python ...``) does not have its ``bin/`` on PATH, where torch's build looks.
+    """
+    bindir = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (bindir / "ninja").exists():
+        os.environ["PATH"] = os.pathsep.join(p for p in (str(bindir), os.environ.get("PATH")) if p)
+
+
 def load_cpu_ops() -> None:
     """Build (first time) and load the ``torch.ops.eagle2_cpu`` operators into this process.
 
@@ -46,6 +60,7 @@ def load_cpu_ops() -> None:
         return
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     try:
         cpp_extension.load(
             name=f"eagle2_cpu_{_cpu_tag()}",

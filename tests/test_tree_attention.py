@@ -331,6 +331,17 @@ def test_auto_backend_falls_back_to_torch_when_the_kernel_cannot_be_built(
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
 
 
+def test_build_finds_ninja_in_an_unactivated_venv(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """vLLM's ninja sits in the venv's bin/, which is not on PATH when .venv/bin/python runs directly."""
+    from vllm_eagle2.kernels import _cpp
+
+    (tmp_path / "ninja").touch()
+    monkeypatch.setattr(_cpp.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    _cpp._ninja_on_path()
+    assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/nonexistent"
+
+
 def test_cpu_backend_is_chosen_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_compiler() -> None:
         raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
