@@ -1,6 +1,7 @@
 """Kernels of vllm_eagle2 (installed as the subpackage ``vllm_eagle2.kernels``)."""
 
 from .tree_attention import (
+    CPU_BACKEND_ENV,
     KV_LAYOUTS,
     check_cpu_kv_layout,
     cpu_backend,
@@ -18,6 +19,7 @@ from .tree_mask import (
 )
 
 __all__ = [
+    "CPU_BACKEND_ENV",
     "HAS_TRITON",
     "KV_LAYOUTS",
     "PAD_PARENT",

@@ -62,6 +62,7 @@ from ._cpp import load_cpu_ops
 from ._triton import HAS_TRITON, tl, triton
 
 __all__ = [
+    "CPU_BACKEND_ENV",
     "KV_LAYOUTS",
     "check_cpu_kv_layout",
     "cpu_backend",

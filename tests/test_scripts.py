@@ -22,6 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
 
 
+def _run_script(script: str, *argv: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    """``python scripts/<script> ARGV...`` from the repo root, output captured."""
+    cmd = [sys.executable, str(REPO / "scripts" / script), *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
 @pytest.mark.parametrize(
     ("script", "flags"),
     [
@@ -69,13 +75,7 @@ README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
 )
 def test_script_help(script: str, flags: list[str]) -> None:
     """``python scripts/X --help`` exits 0 quickly and lists the documented flags."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / script), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _run_script(script, "--help")
     assert proc.returncode == 0, proc.stderr
     for flag in flags:
         assert flag in proc.stdout, f"{script} --help does not mention {flag}"
@@ -100,14 +100,7 @@ def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) 
 
 
 def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() -> None:
-    script = REPO / "scripts" / "bench_verify_forward.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--cpu-attention", "cpp,cuda"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _run_script("bench_verify_forward.py", "--tiny", "--cpu-attention", "cpp,cuda")
     assert proc.returncode == 2
     assert "--cpu-attention takes cpp and/or torch, got 'cpp,cuda'" in proc.stderr
 
@@ -146,29 +139,9 @@ def test_profile_step_breakdown_adds_up_on_the_tiny_pair(tmp_path: Path) -> None
     import json
 
     out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "profile_step.py"),
-            "--tiny",
-            "--num-prompts",
-            "2",
-            "--max-tokens",
-            "16",
-            "--num-speculative-tokens",
-            "8",
-            "--depth",
-            "3",
-            "--topk",
-            "3",
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    argv = ["--tiny", "--num-prompts", "2", "--max-tokens", "16", "--num-speculative-tokens", "8"]
+    argv += ["--depth", "3", "--topk", "3", "--output", str(out)]
+    proc = _run_script("profile_step.py", *argv, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     base, tree = json.loads(out.read_text())["runs"]
     for run in (base, tree):
@@ -186,25 +159,8 @@ def test_cpu_attention_backends_agree_on_a_real_engines_inputs(tmp_path: Path) -
     import json
 
     out = tmp_path / "compare.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "compare_cpu_attention.py"),
-            "--tiny",
-            "--num-prompts",
-            "3",
-            "--max-tokens",
-            "12",
-            "--batch-size",
-            "3",
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    argv = ["--tiny", "--num-prompts", "3", "--max-tokens", "12", "--batch-size", "3"]
+    proc = _run_script("compare_cpu_attention.py", *argv, "--output", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["dtype"] == "float32" and summary["calls"] > 0
