@@ -43,6 +43,7 @@ Two interchangeable backends compute these:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -72,22 +73,26 @@ class TreeMasks:
     """Masks and metadata of a batch of draft trees.
 
     Attributes:
-        dense: ``[B, N, N]`` bool; ``dense[b, i, j]`` is True iff node ``j``
-            is an ancestor of node ``i`` or ``j == i``.  Padding rows are
-            all False.
         packed: ``[B, N, W]`` int32 with ``W = ceil(N / 32)``; bit
-            ``j % 32`` of word ``j // 32`` of row ``i`` equals
-            ``dense[b, i, j]``.  Bits for ``j >= N`` are 0.
+            ``j % 32`` of word ``j // 32`` of row ``i`` is True iff node ``j``
+            is an ancestor of node ``i`` or ``j == i``.  Bits for ``j >= N``
+            and padding rows are 0.
         depths: ``[B, N]`` int64; 1 for children of the root, parent depth
             + 1 otherwise, 0 for padding.
         positions: ``[B, N]`` int64 ``context_lens[:, None] - 1 + depths``
             when ``context_lens`` was given, else None.
+        dense: ``[B, N, N]`` bool, the same mask unpacked.  Computed on first
+            access from ``packed`` (the verifier's attention reads bits: unpacking
+            on every call would cost launches).
     """
 
-    dense: torch.Tensor
     packed: torch.Tensor
     depths: torch.Tensor
     positions: torch.Tensor | None
+
+    @cached_property
+    def dense(self) -> torch.Tensor:
+        return unpack_tree_mask(self.packed, self.packed.shape[1])
 
 
 # --------------------------------------------------------------------------- #
@@ -219,7 +224,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_mask_kernel(
-        parents_ptr,  # [B, N] int64, contiguous
+        parents_ptr,  # [B, N] any integer dtype, contiguous
         packed_ptr,  # [B, N, W] int32, contiguous (output)
         depths_ptr,  # [B, N] int64, contiguous (output)
         N,
@@ -239,7 +244,7 @@ if HAS_TRITON:
         offs_w = tl.arange(0, BLOCK_W)
         in_range = offs_n < N
         row_base = pid_b.to(tl.int64) * N
-        par = tl.load(parents_ptr + row_base + offs_n, mask=in_range, other=-2)
+        par = tl.load(parents_ptr + row_base + offs_n, mask=in_range, other=-2).to(tl.int64)
 
         cur = offs_n.to(tl.int64)
         alive = in_range & (par != -2)
@@ -252,7 +257,7 @@ if HAS_TRITON:
             hit = alive[:, None] & (offs_w[None, :] == word_idx[:, None])
             words = words | tl.where(hit, bit[:, None], 0)
             depth = depth + alive.to(tl.int64)
-            nxt = tl.load(parents_ptr + row_base + cur, mask=alive, other=-1)
+            nxt = tl.load(parents_ptr + row_base + cur, mask=alive, other=-1).to(tl.int64)
             alive = alive & (nxt >= 0) & (nxt < N)
             cur = tl.where(alive, nxt, 0)
 
@@ -271,8 +276,10 @@ def _packed_depths_triton(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raise RuntimeError("backend='triton' requested but triton is not importable")
     b, n = parents.shape
     w = (n + _BITS - 1) // _BITS
-    packed = torch.zeros(b, n, w, dtype=torch.int32, device=parents.device)
-    depths = torch.zeros(b, n, dtype=torch.int64, device=parents.device)
+    # The kernel writes every word and depth of every row (padding rows: 0), so no zero fill:
+    # with the dtype read in-kernel this is the call's only launch.
+    packed = torch.empty(b, n, w, dtype=torch.int32, device=parents.device)
+    depths = torch.empty(b, n, dtype=torch.int64, device=parents.device)
     if b == 0 or n == 0:
         return packed, depths
     block_w = max(1, triton.next_power_of_2(w))
@@ -293,6 +300,7 @@ def build_tree_masks(
     context_lens: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> TreeMasks:
     """Build tree-attention masks, depths and positions for a batch of trees.
 
@@ -304,6 +312,9 @@ def build_tree_masks(
             sequence *including* the root token.
         backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when
             ``parents`` is on CUDA and Triton is importable, else torch).
+        check_values: (torch backend) validate the parent indices, one host
+            sync; the per-step caller, whose trees are valid by construction,
+            passes False so the call never syncs.
 
     Returns:
         :class:`TreeMasks` with ``dense`` ``[B, N, N]`` bool, ``packed``
@@ -323,18 +334,20 @@ def build_tree_masks(
     if context_lens is not None:
         _check_context_lens(context_lens, parents.shape[0])
 
-    parents = parents.to(torch.int64)
-    n = parents.shape[1]
     if backend == "torch":
-        _check_parent_values(parents)
+        parents = parents.to(torch.int64)
+        if check_values:
+            _check_parent_values(parents)
         dense, depths = _dense_depths_torch(parents)
         packed = pack_tree_mask(dense)
     else:
         packed, depths = _packed_depths_triton(parents)
-        dense = unpack_tree_mask(packed, n)
 
     positions = None
     if context_lens is not None:
         ctx = context_lens.to(device=parents.device, dtype=torch.int64)
         positions = ctx[:, None] - 1 + depths
-    return TreeMasks(dense=dense, packed=packed, depths=depths, positions=positions)
+    masks = TreeMasks(packed=packed, depths=depths, positions=positions)
+    if backend == "torch":
+        masks.__dict__["dense"] = dense  # already built: seed the cached property
+    return masks

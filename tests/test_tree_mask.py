@@ -104,7 +104,9 @@ def reference(parents: torch.Tensor, context_lens: torch.Tensor | None) -> TreeM
         for bi in range(b):
             for i in range(n):
                 positions[bi, i] = int(context_lens[bi]) - 1 + int(depths[bi, i])
-    return TreeMasks(dense=dense, packed=packed, depths=depths, positions=positions)
+    masks = TreeMasks(packed=packed, depths=depths, positions=positions)
+    assert torch.equal(masks.dense, dense)  # the reference's own packing round-trips
+    return masks
 
 
 def assert_masks_equal(got: TreeMasks, want: TreeMasks) -> None:
