@@ -39,19 +39,20 @@ Three interchangeable backends:
   or tokens, only over chunks of kv heads to bound memory).  The test oracle, and
   the CPU path where the C++ kernel cannot be built.  Also validates the index values
   (one host sync).
-* ``"triton"`` -- a flash-attention style Triton kernel with online softmax
-  in float32.  One program per (tile of ``BLOCK_Q`` query tokens of one
-  request, kv head); its rows are the ``BLOCK_Q x (H // Hkv)`` (query token,
-  query head) pairs, so K/V tiles are read once per tile and shared by the
-  query heads of the group.  Reads K/V through the caches' strides.  Needs
-  no host sync; does no value validation (out-of-range lengths cannot cause
-  out-of-bounds mask/block-table reads but give unspecified outputs).
+* ``"triton"`` -- split-KV (flash-decoding) Triton kernels, float32 online softmax
+  (``tree_attention_triton.py``): one launch computes partial attentions of tiles of
+  ``BLOCK_Q`` query tokens x the ``H // Hkv`` query heads of a kv head over chunks of the
+  request's context (no mask there), spread over enough programs to fill the GPU; a second one
+  adds the masked region and merges the partials by log-sum-exp.  Big batches skip the split
+  (one launch).  Reads K/V, block table and mask in place through their strides; the index
+  work is kept in ``plan_cache`` for every layer of a forward.  Needs no host sync; does no
+  value validation (out-of-range lengths cannot cause out-of-bounds mask/block-table reads
+  but give unspecified outputs).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ import torch
 import torch.nn.functional as F
 
 from ._cpp import load_cpu_ops
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON
+from .tree_attention_triton import paged_tree_attention_triton
 
 __all__ = [
     "CPU_BACKEND_ENV",
@@ -510,248 +512,6 @@ def _paged_tree_attention_cpp(
 
 
 # --------------------------------------------------------------------------- #
-# Triton backend
-# --------------------------------------------------------------------------- #
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _paged_tree_attn_kernel(
-        q_ptr,  # [Q, H, D] strided
-        k_ptr,  # [num_blocks, Hkv, block_size, D] strided
-        v_ptr,  # [num_blocks, Hkv, block_size, D] strided
-        o_ptr,  # [Q, H, D] strided (output)
-        bt_ptr,  # [R, max_blocks] int32/int64 strided
-        qsl_ptr,  # [R + 1] int32 contiguous
-        ctx_ptr,  # [R] int32 contiguous
-        reg_ptr,  # [R] int32 contiguous
-        mask_ptr,  # [R, max_q, W] int32 strided
-        tile_req_ptr,  # [num_programs] int32: request of the tile, -1 = no tile
-        tile_row_ptr,  # [num_programs] int32: first query row (within the request)
-        qk_scale,  # scale * log2(e)
-        stride_qt,
-        stride_qh,
-        stride_qd,
-        stride_kb,
-        stride_kh,
-        stride_kt,
-        stride_kd,
-        stride_vb,
-        stride_vh,
-        stride_vt,
-        stride_vd,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        stride_btr,
-        stride_btb,
-        stride_mr,
-        stride_mq,
-        stride_mw,
-        block_size,
-        max_blocks,
-        max_q,
-        W,
-        D,
-        G: tl.constexpr,  # query heads per kv head
-        BLOCK_Q: tl.constexpr,  # query tokens per program
-        BLOCK_G: tl.constexpr,  # next_power_of_2(G)
-        BLOCK_N: tl.constexpr,  # kv positions per inner iteration
-        BLOCK_D: tl.constexpr,  # >= D, power of 2, >= 16
-        DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
-        UPCAST: tl.constexpr,  # do both dots in float32 (the interpreter's bf16 tl.dot is wrong)
-    ):
-        """One program per (tile of BLOCK_Q query tokens of one request, kv head).
-
-        Row ``m`` of the program's ``[BLOCK_Q * BLOCK_G, BLOCK_D]`` query tile
-        is query token ``row0 + m // BLOCK_G`` of the request, query head
-        ``kvh * G + m % BLOCK_G``.  Loops over the request's storage
-        positions ``0 .. C+T-1`` in tiles of BLOCK_N with an online softmax
-        (base 2, float32).
-        """
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        req = tl.load(tile_req_ptr + pid)
-        if req < 0:
-            return
-        row0 = tl.load(tile_row_ptr + pid)
-        q_start = tl.load(qsl_ptr + req)
-        q_len = tl.load(qsl_ptr + req + 1) - q_start
-        ctx = tl.load(ctx_ptr + req)
-        kv_len = ctx + tl.load(reg_ptr + req)
-
-        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
-        offs_m = tl.arange(0, BLOCK_M)
-        qrow = row0 + offs_m // BLOCK_G
-        grp = offs_m % BLOCK_G
-        row_ok = (qrow < q_len) & (grp < G)
-        mask_row_ok = row_ok & (qrow < max_q)
-        tok = (q_start + qrow).to(tl.int64)
-        head = kvh * G + grp
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        io_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-            mask=io_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-        mask_rows = mask_ptr + req.to(tl.int64) * stride_mr + qrow.to(tl.int64) * stride_mq
-        bt_row = bt_ptr + req.to(tl.int64) * stride_btr
-        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(0, kv_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_len
-            bcol = offs_n // block_size
-            blk = tl.load(bt_row + bcol * stride_btb, mask=n_ok & (bcol < max_blocks), other=0)
-            blk = blk.to(tl.int64)
-            toff = offs_n % block_size
-            kt = tl.load(  # K^T tile [BLOCK_D, BLOCK_N]
-                k_base + blk[None, :] * stride_kb + toff[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-                mask=d_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-
-            rel = offs_n - ctx
-            in_reg = n_ok & (rel >= 0)
-            rel = tl.where(in_reg, rel, 0)
-            widx = rel // 32
-            words = tl.load(
-                mask_rows[:, None] + widx[None, :] * stride_mw,
-                mask=mask_row_ok[:, None] & (in_reg & (widx < W))[None, :],
-                other=0,
-            )
-            bits = (words >> (rel % 32)[None, :]) & 1
-            vis = (offs_n < ctx)[None, :] | (bits != 0)
-            s = tl.where(vis, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + blk[:, None] * stride_vb + toff[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        acc = acc / l_safe[:, None]
-        tl.store(
-            o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            acc.to(o_ptr.dtype.element_ty),
-            mask=io_mask,
-        )
-
-
-def _tile_metadata(
-    query_start_loc: torch.Tensor, q_total: int, block_q: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-program (request, first query row) of the query tiles, without a host sync.
-
-    Request ``r`` gets ``ceil(q_r / block_q)`` tiles; their number is at most
-    ``Q // block_q + R``, the grid size.  Unused programs get request -1.
-    """
-    r = query_start_loc.shape[0] - 1
-    dev = query_start_loc.device
-    qsl = query_start_loc.to(torch.int64)
-    n_tiles = (qsl[1:] - qsl[:-1] + block_q - 1) // block_q
-    tile_end = torch.cumsum(n_tiles, 0)
-    n_prog = q_total // block_q + r
-    p = torch.arange(n_prog, device=dev)
-    req = torch.searchsorted(tile_end, p, right=True)
-    req_c = req.clamp(max=r - 1)
-    row0 = (p - (tile_end - n_tiles)[req_c]) * block_q
-    tile_req = torch.where(req < r, req, torch.full_like(req, -1))
-    return tile_req.to(torch.int32), row0.to(torch.int32), n_prog
-
-
-def _paged_tree_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    region_lens: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    *,
-    block_q: int | None = None,
-    block_n: int | None = None,
-) -> None:
-    """Launch the Triton kernel; writes ``out`` ``[Q, H, D]``.  ``block_q``/``block_n`` override tiling."""
-    if not HAS_TRITON:
-        raise RuntimeError("backend='triton' requested but triton is not importable")
-    q_total, h, d = query.shape
-    _, hkv, bs, _ = key_cache.shape
-    g = h // hkv
-    r, max_blocks = block_table.shape
-    _, max_q, n_words = mask.shape
-    if q_total == 0 or r == 0:
-        return
-    block_g = triton.next_power_of_2(g)
-    if block_q is None:
-        # >= 16 rows for tl.dot; up to 64 rows, no more query tokens than any request has.
-        block_q = max(16 // block_g, min(triton.next_power_of_2(max(max_q, 1)), 64 // block_g), 1)
-    if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
-        raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
-    block_d = max(16, triton.next_power_of_2(d))
-    if block_n is None:
-        block_n = 64 if block_d <= 64 else 32
-    # Triton's interpreter (CPU tests) computes bfloat16 tl.dot wrongly; on GPUs bf16 dots are fine.
-    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    tile_req, tile_row, n_prog = _tile_metadata(query_start_loc, q_total, block_q)
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    ctx = context_lens.to(torch.int32).contiguous()
-    reg = region_lens.to(torch.int32).contiguous()
-    _paged_tree_attn_kernel[(n_prog, hkv)](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        block_table,
-        qsl,
-        ctx,
-        reg,
-        mask,
-        tile_req,
-        tile_row,
-        float(scale) * math.log2(math.e),
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *out.stride(),
-        *block_table.stride(),
-        *mask.stride(),
-        bs,
-        max_blocks,
-        max_q,
-        n_words,
-        d,
-        G=g,
-        BLOCK_Q=block_q,
-        BLOCK_G=block_g,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
-        UPCAST=upcast,
-    )
-
-
-# --------------------------------------------------------------------------- #
 # Public entry point
 # --------------------------------------------------------------------------- #
 
@@ -770,6 +530,7 @@ def paged_tree_attention(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     plan_cache: dict | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of each request's last region tokens over its paged KV cache, tree-masked.
 
@@ -801,8 +562,12 @@ def paged_tree_attention(
             tensors (``block_table`` .. ``mask``) are the same, e.g. every layer of one
             forward: the torch backend validates and indexes them once and keeps the
             result there (measured on CPU, 30 layer calls of a 9-query tree over 400
-            context tokens: 24 ms -> 16 ms); the C++ backend its int64 copies of them.
-            Unused by Triton.
+            context tokens: 24 ms -> 16 ms); the C++ backend its int64 copies of them; Triton
+            its tile table, int32 lengths and scratch, so that a layer's call is only its
+            kernel launches.
+        max_context_len: optional host-side upper bound of ``context_lens`` (Triton only: it
+            sizes the split of the context over programs, never affects the result; default
+            ``max_blocks * block_size``).
 
     Returns:
         ``[Q, H, D]`` in the query's dtype (``out`` when given).
@@ -828,5 +593,7 @@ def paged_tree_attention(
     elif backend == "cpp":
         _paged_tree_attention_cpp(*tensors, scale, out, plan_cache)
     else:
-        _paged_tree_attention_triton(*tensors, scale, out)
+        paged_tree_attention_triton(
+            *tensors, scale, out, plan_cache=plan_cache, max_context_len=max_context_len
+        )
     return out

@@ -1,4 +1,4 @@
-"""Tests of paged tree attention (torch twin, C++ CPU kernel, Triton kernel) and the KV-cache views.
+"""Tests of paged tree attention (torch twin, C++ CPU kernel, Triton kernels) and the KV-cache views.
 
 The Triton kernel is run under the Triton interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` must be set before triton is imported).
@@ -27,8 +27,8 @@ from vllm_eagle2.kernels import (
     paged_tree_attention,
 )
 from vllm_eagle2.kernels import tree_attention as ta
+from vllm_eagle2.kernels import tree_attention_triton as tat
 from vllm_eagle2.kernels._cpp import load_cpu_ops
-from vllm_eagle2.kernels.tree_attention import _paged_tree_attention_triton
 
 # Triton is part of the test install (vLLM pulls it in): missing, these tests must fail, not skip.
 assert HAS_TRITON, "triton is not installed: pip install -e '.[cpu,test]'"
@@ -375,36 +375,132 @@ def test_no_queries_and_no_tokens(backend: str) -> None:
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
-def test_triton_matches_torch(layout: str) -> None:
+def test_triton_matches_torch(layout: str, num_splits: int | None) -> None:
+    """Default plan (one split on these short contexts: the region kernel walks the context),
+    and forced splits through paged_tree_attention's plan."""
     case = make_case(layout, seed=7)
     want = paged_tree_attention(*case.args(), backend="torch")
-    got = paged_tree_attention(*case.args(), backend="triton")
+    if num_splits is None:
+        got = paged_tree_attention(*case.args(), backend="triton")
+    else:
+        got = torch.full_like(want, float("nan"))
+        tat.paged_tree_attention_triton(*case.args(), got, num_splits=num_splits)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got, reference(case), atol=1e-4, rtol=1e-4)
 
 
+#: Contexts longer and shorter than one split (C = 70 with 4 splits of 32: the last split is
+#: empty; C = 20: two of 16), C = 0, a request of more queries than one tile holds, a fully
+#: hidden row set (padded tree, C = 0) and a request whose mask rows are all zero (context only).
+SPLIT_REQUESTS: list[tuple[int, int, int, str]] = [
+    (70, 5, 5, "tree"),
+    (0, 9, 4, "causal"),
+    (20, 3, 1, "causal"),
+    (37, 40, 12, "tree"),
+    (0, 10, 10, "padded"),
+    (3, 6, 6, "empty"),
+]
+
+
+def make_split_case(**kw: object) -> Case:
+    case = make_case(
+        requests=[(c, t, q, "tree" if k == "empty" else k) for c, t, q, k in SPLIT_REQUESTS], **kw
+    )
+    for i, (_, _, _, kind) in enumerate(SPLIT_REQUESTS):
+        if kind == "empty":
+            case.mask[i] = 0
+    return case
+
+
 @pytest.mark.parametrize(
-    ("h", "hkv", "block_q", "block_n"),
-    [(4, 2, 8, 16), (6, 2, 4, 32), (2, 2, 16, 16), (4, 1, 4, 64)],
+    ("h", "hkv", "d", "block_q", "block_n", "num_splits"),
+    [
+        (2, 2, 8, 16, 16, 4),  # G = 1, head size 8 (padded to 16 columns)
+        (4, 2, 64, 8, 16, 3),  # G = 2
+        (8, 2, 128, 4, 32, 2),  # G = 4, head size 128
+        (6, 2, 16, 4, 16, 5),  # G = 3 (rows padded to BLOCK_G = 4)
+        (4, 1, 16, 4, 64, 1),  # one split: context walked by the region kernel
+        (4, 1, 16, 4, 16, 40),  # more splits than any context has chunks
+    ],
 )
-def test_triton_tilings_and_groups(h: int, hkv: int, block_q: int, block_n: int) -> None:
-    """Several query tiles per request, several kv tiles, non-power-of-2 groups."""
-    case = make_case("cpu", h=h, hkv=hkv, requests=REQUESTS[1:4], seed=8)
-    want = paged_tree_attention(*case.args(), backend="torch")
-    out = torch.full_like(want, float("nan"))
-    _paged_tree_attention_triton(*case.args(), out, block_q=block_q, block_n=block_n)
-    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
-
-
-def test_triton_bfloat16_and_strided_out() -> None:
-    case = make_case("flash", dtype=torch.bfloat16, requests=REQUESTS[:4], seed=9)
+def test_triton_splits_tilings_and_groups(
+    h: int, hkv: int, d: int, block_q: int, block_n: int, num_splits: int
+) -> None:
+    case = make_split_case(layout="cpu", h=h, hkv=hkv, d=d, seed=8)
     want = reference(case)
-    out = torch.zeros(case.query.shape[0], 4, 2 * 16, dtype=torch.bfloat16)[:, :, 16:]
+    torch.testing.assert_close(
+        paged_tree_attention(*case.args(), backend="torch"), want, atol=1e-4, rtol=1e-4
+    )
+    out = torch.full_like(want, float("nan"))
+    tat.paged_tree_attention_triton(
+        *case.args(), out, num_splits=num_splits, block_q=block_q, block_n=block_n
+    )
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert (out[22:32] == 0).all(-1).any(), "a fully hidden row of the padded tree must be exactly 0"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_bfloat16_and_strided_out(num_splits: int) -> None:
+    case = make_split_case(layout="flash", dtype=torch.bfloat16, h=8, hkv=2, d=64, seed=9)
+    want = reference(case)
+    out = torch.full((case.query.shape[0], 8, 2 * 64), float("nan"), dtype=torch.bfloat16)[:, :, 64:]
+    tat.paged_tree_attention_triton(*case.args(), out, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     got = paged_tree_attention(*case.args(), out=out, backend="triton")
     assert got is out
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_triton_nothing_visible_is_zero() -> None:
+    """The only query sees nothing (C = 0, empty mask): zeros, not NaN, with or without splits."""
+    case = make_case("flash", requests=[(0, 1, 1, "causal")])
+    case.mask.zero_()
+    for splits in (1, 4):
+        out = torch.full_like(case.query, float("nan"))
+        tat.paged_tree_attention_triton(*case.args(), out, num_splits=splits)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_triton_plan_cache_shared_by_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile table and scratch are made once per forward; each layer's data still counts."""
+    made = []
+    make_plan = tat._make_plan
+    monkeypatch.setattr(tat, "_make_plan", lambda *a, **kw: made.append(1) or make_plan(*a, **kw))
+    case = make_split_case(layout="flash", seed=6)
+    cache: dict = {}
+    for layer in range(3):
+        if layer:  # the next layer: same index tensors, other queries and cache contents
+            for view, logical in ((case.key_cache, case.keys), (case.value_cache, case.values)):
+                view.mul_(-2.0).add_(0.5)
+                for t in logical:
+                    t.mul_(-2.0).add_(0.5)
+            case.query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(layer))
+        out = torch.full_like(case.query, float("nan"))
+        tat.paged_tree_attention_triton(*case.args(), out, plan_cache=cache, num_splits=3)
+        torch.testing.assert_close(out, reference(case), atol=1e-4, rtol=1e-4)
+    assert len(made) == 1 and len(cache) == 1
+    (plan,) = cache.values()
+    assert plan.num_splits == 3 and plan.tiles.dtype == torch.int32
+
+
+def test_triton_split_count_is_sized_by_host_ints() -> None:
+    """Splits fill ~2 programs per SM at small batch, none at large batch, none for short contexts."""
+    # R = 1, 60 queries, G = 4 (16-query tiles: 4 + 1 grid slots), 8 kv heads, 2,048 context.
+    assert tat._choose_num_splits(60 // 16 + 1, 8, 2048, 64, 132) == 8
+    # R = 64 of 60 queries each: the tiles alone fill the GPU.
+    assert tat._choose_num_splits(64 * 60 // 16 + 64, 8, 2048, 64, 132) == 1
+    # Short contexts: at least _MIN_SPLIT_TOKENS per split.
+    assert tat._choose_num_splits(5, 8, 300, 64, 132) == 2
+    assert tat._choose_num_splits(1, 1, 10**6, 64, 132) == tat._MAX_SPLITS
+    # The bound comes from max_context_len, else the block table's capacity (no sync).
+    case = make_case("flash", requests=[(40, 5, 5, "tree")])
+    for bound, want in ((None, 1), (4096, 16)):
+        cache: dict = {}
+        paged_tree_attention(*case.args(), backend="triton", plan_cache=cache, max_context_len=bound)
+        assert [p.num_splits for p in cache.values()] == [want]
 
 
 def test_triton_empty_query() -> None:
@@ -416,41 +512,49 @@ _COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_eagle2.kernels.tree_attention import _paged_tree_attn_kernel as kern
+from vllm_eagle2.kernels.tree_attention_triton import _ctx_split_kernel, _region_merge_kernel
 
-io_ptrs = {"q_ptr", "k_ptr", "v_ptr", "o_ptr"}
-idx_ptrs = {"qsl_ptr", "ctx_ptr", "reg_ptr", "mask_ptr", "tile_req_ptr", "tile_row_ptr"}
-# (dtype, block table, dot precision, G, BLOCK_G, BLOCK_Q, BLOCK_N, BLOCK_D, unit-stride args)
+ptr_types = {"q_ptr": "io", "k_ptr": "io", "v_ptr": "io", "o_ptr": "io", "bt_ptr": "bt",
+             "mask_ptr": "*i32", "tiles_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+qkvo = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+# (dtype, block table, dot precision, D, G, BLOCK_G, BLOCK_Q, BLOCK_N, BLOCK_D, block size,
+#  CONTEXT_INLINE, arguments equal to 1: the launcher specialises them)
 configs = [
-    ("fp32", "*i32", "ieee", 2, 2, 8, 64, 32, ("stride_qd", "stride_kt", "stride_vd", "stride_od")),
-    ("bf16", "*i64", "tf32", 4, 4, 16, 32, 128, ("stride_qd", "stride_kd", "stride_vd", "stride_od")),
-    ("fp16", "*i32", "tf32", 7, 8, 2, 64, 64, ("stride_kd", "stride_vd", "stride_btb", "stride_mw")),
+    ("fp32", "*i32", "ieee", 32, 2, 2, 8, 64, 32, 16, False, ("stride_qd", "stride_kt", "stride_vd")),
+    ("bf16", "*i64", "tf32", 128, 4, 4, 16, 64, 128, 16, False, qkvo),
+    ("bf16", "*i32", "tf32", 128, 4, 4, 16, 64, 128, 16, True, qkvo),
+    ("fp16", "*i32", "tf32", 80, 7, 8, 2, 64, 128, 32, False, ("stride_kd", "stride_btb", "stride_mw")),
+    ("bf16", "*i32", "tf32", 256, 1, 1, 16, 32, 256, 16, True, qkvo),
 ]
-for dt, bt, prec, g, bg, bq, bn, bd, unit in configs:
-    consts = dict(G=g, BLOCK_Q=bq, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd, DOT_PRECISION=prec, UPCAST=False)
-    consts.update({n: 1 for n in unit})  # the launcher specialises arguments equal to 1
-    sig = {}
-    for n in kern.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in io_ptrs:
-            sig[n] = "*" + dt
-        elif n in idx_ptrs:
-            sig[n] = "*i32"
-        elif n == "bt_ptr":
-            sig[n] = bt
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    assert "ttgir" in k.asm and "llir" in k.asm, sorted(k.asm)
+for dt, bt, prec, d, g, bg, bq, bn, bd, bs, inline, unit in configs:
+    for kern in (_ctx_split_kernel, _region_merge_kernel):
+        consts = dict(BLOCK_SIZE=bs, D=d, G=g, BLOCK_Q=bq, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
+                      DOT_PRECISION=prec, UPCAST=False)
+        if kern is _region_merge_kernel:
+            consts["CONTEXT_INLINE"] = inline
+        consts.update({n: 1 for n in unit if n in kern.arg_names})
+        sig = {}
+        for n in kern.arg_names:
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n in ptr_types:
+                t = ptr_types[n]
+                sig[n] = "*" + dt if t == "io" else bt if t == "bt" else t
+            elif n == "qk_scale":
+                sig[n] = "fp32"
+            else:
+                sig[n] = "i32"
+        opts = dict(num_warps=4, num_stages=3)
+        src = ASTSource(fn=kern, signature=sig, constexprs=consts)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        assert "ttgir" in k.asm and "llir" in k.asm, sorted(k.asm)
+        print(kern.__name__, dt, d, "inline" if inline else "split", "shared", k.metadata.shared)
 print("COMPILED")
 """
 
 
 def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
-    """The interpreter does not type-check loop-carried values; compile for
+    """The interpreter does not type-check loop-carried values; compile both kernels for
     sm_90 (no GPU needed) in a fresh process without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)

@@ -1,0 +1,742 @@
+"""Triton backend of :func:`vllm_eagle2.kernels.paged_tree_attention` (split-KV, flash-decoding style).
+
+The semantics (context fully visible, region tokens through the packed mask, GQA, zero rows)
+are in :mod:`vllm_eagle2.kernels.tree_attention`'s docstring.  This module only computes them.
+
+Work unit.  A *tile* is ``BLOCK_Q`` consecutive query tokens of one request; with the
+``G = H // Hkv`` query heads of one kv head it makes ``BLOCK_M = BLOCK_Q * BLOCK_G`` rows
+(``BLOCK_G = next_power_of_2(G)``), row ``m`` being query token ``row0 + m // BLOCK_G`` and
+query head ``kvh * G + m % BLOCK_G``.  Every K/V tile loaded is thus shared by all the query
+heads of the group and all the tile's query tokens, and the dots have >= 16 rows.
+
+Two kernels per call:
+
+* ``_ctx_split_kernel``, grid ``(tiles, Hkv, num_splits)``: the request's context
+  ``[0, C)`` is cut into ``num_splits`` chunks of ``chunk = roundup(ceil(C / num_splits),
+  BLOCK_N)`` tokens (per request, so short and long contexts both spread evenly); each program
+  runs an online softmax (base 2, float32) over its chunk, with no visibility mask and no
+  position mask but in a last partial tile, and writes the
+  unnormalised partial ``acc [BLOCK_M, BLOCK_D]``, running max ``m`` and sum ``l`` to scratch.
+  Programs whose chunk is empty return at once and write nothing.
+* ``_region_merge_kernel``, grid ``(tiles, Hkv)``: the masked attention over the region
+  (storage positions ``C .. C+T-1``, at most a few dozen tokens), then a log-sum-exp merge
+  with the partials of the non-empty chunks, normalisation, and the store to ``out``.
+  Rows that see nothing get 0.
+
+When the grid is already large without splitting (big batches), ``num_splits`` is 1 and the
+split kernel is not launched at all: the region kernel then walks the context itself
+(``CONTEXT_INLINE``), one launch and no scratch traffic.
+
+Everything that depends only on the index tensors (tile -> request/row table, int32 copies of
+the lengths, scratch buffers, grid sizes) is computed once and kept in the caller's
+``plan_cache``, shared by all the layers of one forward: a layer's call is then the launches
+alone, with no torch op and no host sync.
+
+Measured on an H200 (bf16, H = 32, Hkv = 8, D = 128, block size 16, 60 tree queries per
+request over 2,048 context tokens, CUDA-graph replay): R = 1, 9 splits: 30 us (dense SDPA
+over the same tokens 34 us; the former one-kernel version 209 us in 22 launches); R = 64, one
+launch: 553 us (SDPA 528-537 us; former 2,216 us).  Eager calls at R = 1 are bound by the
+host (~65 us to enqueue the two launches, mostly Triton's launch path and the argument checks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import HAS_TRITON, tl, triton
+
+__all__ = ["paged_tree_attention_triton"]
+
+#: Fewest context tokens per split worth a program of its own (4 iterations of BLOCK_N = 64).
+_MIN_SPLIT_TOKENS = 256
+#: Most splits of one request's context.
+_MAX_SPLITS = 64
+#: Split-KV programs aimed at, per streaming multiprocessor (2 keeps every SM busy while the
+#: tail of the grid drains).
+_PROGRAMS_PER_SM = 2
+#: Multiprocessor count assumed off CUDA (the interpreter), where it only sizes the grid.
+_DEFAULT_SMS = 132
+
+_LOG2E = math.log2(math.e)
+
+_sm_counts: dict[int, int] = {}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _split_chunk(ctx, num_splits, BLOCK_N: tl.constexpr):
+        """Context tokens per split of a request with ``ctx`` of them: a multiple of BLOCK_N, >= BLOCK_N.
+
+        Both kernels compute it, so the region kernel knows which splits wrote a partial
+        (the first ``cdiv(ctx, chunk)``) without reading anything back.
+        """
+        chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        return tl.maximum(chunk, BLOCK_N)
+
+    @triton.jit
+    def _context_step(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_base,
+        v_base,
+        bt_row,
+        start,
+        hi,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        stride_btb,
+        max_blocks,
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        TAIL: tl.constexpr,  # positions >= hi in this tile: mask them (else all are < hi)
+    ):
+        """One BLOCK_N tile of context positions from ``start``: online-softmax update, all visible."""
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        bcol = offs_n // BLOCK_SIZE
+        toff = offs_n % BLOCK_SIZE
+        # bcol < max_blocks: bad lengths must not read past the block-table row.
+        bt_ok = bcol < max_blocks
+        kv_ok = (offs_d < D)[None, :]  # folds away when D == BLOCK_D
+        if TAIL:
+            n_ok = offs_n < hi
+            bt_ok = bt_ok & n_ok
+            kv_ok = kv_ok & n_ok[:, None]
+        blk = tl.load(bt_row + bcol * stride_btb, mask=bt_ok, other=0).to(tl.int64)
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + toff[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+            mask=kv_ok,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if TAIL:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + toff[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+            mask=kv_ok,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _context_loop(
+        q,  # [BLOCK_M, BLOCK_D] query rows (input dtype, or float32 with UPCAST)
+        acc,  # [BLOCK_M, BLOCK_D] float32, unnormalised output so far
+        m_i,  # [BLOCK_M] float32 running max (base 2, scaled)
+        l_i,  # [BLOCK_M] float32 running sum
+        k_base,  # key cache at this kv head
+        v_base,
+        bt_row,  # block-table row of the request
+        lo,  # first context position (inclusive)
+        hi,  # last context position (exclusive), > lo or nothing is done
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vt,
+        stride_vd,
+        stride_btb,
+        max_blocks,
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Online softmax of ``q`` over context positions ``[lo, hi)``: every one is visible.
+
+        Whole tiles run without any position mask; only a last partial tile masks positions
+        ``>= hi``.  Every tile has a visible position, so the running max is finite after the
+        first one and needs no guard against ``-inf - -inf``.  Returns ``(acc, m_i, l_i)``.
+        """
+        full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = _context_step(
+                q, acc, m_i, l_i, k_base, v_base, bt_row, start, hi, qk_scale,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_btb, max_blocks,
+                BLOCK_SIZE, D, BLOCK_N, BLOCK_D, DOT_PRECISION, False,
+            )  # fmt: skip
+        if full_hi < hi:
+            acc, m_i, l_i = _context_step(
+                q, acc, m_i, l_i, k_base, v_base, bt_row, full_hi, hi, qk_scale,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_btb, max_blocks,
+                BLOCK_SIZE, D, BLOCK_N, BLOCK_D, DOT_PRECISION, True,
+            )  # fmt: skip
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _load_query_tile(
+        q_ptr,
+        tile_ptr,
+        kvh,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """The tile's query rows ``[BLOCK_M, BLOCK_D]`` (zeros in padding rows / columns).
+
+        Returns ``(q, qrow, tok, head, row_ok)``: per row, its query index within the request,
+        its token in ``query``, its query head, and whether it is a real (token, head) pair.
+        """
+        row0 = tl.load(tile_ptr + 1)
+        q_start = tl.load(tile_ptr + 2)
+        q_len = tl.load(tile_ptr + 3)
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+        offs_m = tl.arange(0, BLOCK_M)
+        qrow = row0 + offs_m // BLOCK_G
+        grp = offs_m % BLOCK_G
+        row_ok = (qrow < q_len) & (grp < G)
+        tok = (q_start + qrow).to(tl.int64)
+        head = kvh * G + grp
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        return q, qrow, tok, head, row_ok
+
+    @triton.jit
+    def _ctx_split_kernel(
+        q_ptr,  # [Q, H, D] strided
+        k_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        v_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        bt_ptr,  # [R, max_blocks] int32/int64 strided
+        tiles_ptr,  # [n_tiles, 6] int32: req (-1: no tile), row0, q_start, q_len, C, T
+        acc_ptr,  # [n_tiles, Hkv, num_splits, BLOCK_M, BLOCK_D] float32 scratch (output)
+        ml_ptr,  # [n_tiles, Hkv, num_splits, 2, BLOCK_M] float32 scratch (output): m, l
+        qk_scale,  # scale * log2(e)
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_vd,
+        stride_btr,
+        stride_btb,
+        max_blocks,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        D: tl.constexpr,  # head size
+        G: tl.constexpr,  # query heads per kv head
+        BLOCK_Q: tl.constexpr,  # query tokens per tile
+        BLOCK_G: tl.constexpr,  # next_power_of_2(G)
+        BLOCK_N: tl.constexpr,  # kv positions per inner iteration
+        BLOCK_D: tl.constexpr,  # next_power_of_2(D), >= 16
+        DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
+        UPCAST: tl.constexpr,  # dots in float32 (the interpreter's bf16 tl.dot is wrong)
+    ):
+        """Partial attention of one tile x kv head over one chunk of its request's context."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        tile_ptr = tiles_ptr + tile * 6
+        req = tl.load(tile_ptr)
+        if req < 0:
+            return
+        ctx = tl.load(tile_ptr + 4)
+        chunk = _split_chunk(ctx, num_splits, BLOCK_N)
+        lo = split * chunk
+        if lo >= ctx:  # an empty chunk: the region kernel will not read this split
+            return
+        hi = tl.minimum(lo + chunk, ctx)
+
+        q, qrow, tok, head, row_ok = _load_query_tile(
+            q_ptr, tile_ptr, kvh, stride_qt, stride_qh, stride_qd, G, D, BLOCK_Q, BLOCK_G, BLOCK_D, UPCAST
+        )
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc, m_i, l_i = _context_loop(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr + kvh.to(tl.int64) * stride_kh,
+            v_ptr + kvh.to(tl.int64) * stride_vh,
+            bt_ptr + req.to(tl.int64) * stride_btr,
+            lo,
+            hi,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            stride_btb,
+            max_blocks,
+            BLOCK_SIZE,
+            D,
+            BLOCK_N,
+            BLOCK_D,
+            DOT_PRECISION,
+        )
+        # Scratch is padded to BLOCK_M x BLOCK_D, so the stores need no masks.
+        part = (tile * tl.num_programs(1) + kvh).to(tl.int64) * num_splits + split
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(acc_ptr + part * (BLOCK_M * BLOCK_D) + offs_m[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(ml_ptr + part * (2 * BLOCK_M) + offs_m, m_i)
+        tl.store(ml_ptr + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
+
+    @triton.jit
+    def _region_merge_kernel(
+        q_ptr,  # [Q, H, D] strided
+        k_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        v_ptr,  # [num_blocks, Hkv, block_size, D] strided
+        o_ptr,  # [Q, H, D] strided (output)
+        bt_ptr,  # [R, max_blocks] int32/int64 strided
+        mask_ptr,  # [R, max_q, W] int32 strided
+        tiles_ptr,  # [n_tiles, 6] int32: req (-1: no tile), row0, q_start, q_len, C, T
+        acc_ptr,  # [n_tiles, Hkv, num_splits, BLOCK_M, BLOCK_D] float32 (unused if CONTEXT_INLINE)
+        ml_ptr,  # [n_tiles, Hkv, num_splits, 2, BLOCK_M] float32 (unused if CONTEXT_INLINE)
+        qk_scale,  # scale * log2(e)
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_vd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_btr,
+        stride_btb,
+        stride_mr,
+        stride_mq,
+        stride_mw,
+        max_blocks,
+        max_q,
+        W,
+        BLOCK_SIZE: tl.constexpr,
+        D: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        CONTEXT_INLINE: tl.constexpr,  # walk the context here (no split kernel ran)
+    ):
+        """Masked region attention of one tile x kv head, merged with the context partials; writes out."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        tile_ptr = tiles_ptr + tile * 6
+        req = tl.load(tile_ptr)
+        if req < 0:
+            return
+        ctx = tl.load(tile_ptr + 4)
+        reg = tl.load(tile_ptr + 5)
+        q, qrow, tok, head, row_ok = _load_query_tile(
+            q_ptr, tile_ptr, kvh, stride_qt, stride_qh, stride_qd, G, D, BLOCK_Q, BLOCK_G, BLOCK_D, UPCAST
+        )
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        bt_row = bt_ptr + req.to(tl.int64) * stride_btr
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if CONTEXT_INLINE:
+            acc, m_i, l_i = _context_loop(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_base,
+                v_base,
+                bt_row,
+                0,
+                ctx,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kd,
+                stride_vb,
+                stride_vt,
+                stride_vd,
+                stride_btb,
+                max_blocks,
+                BLOCK_SIZE,
+                D,
+                BLOCK_N,
+                BLOCK_D,
+                DOT_PRECISION,
+            )
+
+        # Region: region token j (storage position C + j) is visible iff its mask bit is set.
+        mask_row_ok = row_ok & (qrow < max_q)  # rows past max_q must not read the mask
+        mask_rows = mask_ptr + req.to(tl.int64) * stride_mr + qrow.to(tl.int64) * stride_mq
+        for start in range(0, reg, BLOCK_N):
+            rel = start + tl.arange(0, BLOCK_N)
+            r_ok = rel < reg
+            pos = ctx + rel
+            bcol = pos // BLOCK_SIZE
+            blk = tl.load(bt_row + bcol * stride_btb, mask=r_ok & (bcol < max_blocks), other=0)
+            blk = blk.to(tl.int64)
+            toff = pos % BLOCK_SIZE
+            kv_ok = r_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_base + blk[:, None] * stride_kb + toff[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                mask=kv_ok,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+            widx = rel // 32
+            words = tl.load(
+                mask_rows[:, None] + widx[None, :] * stride_mw,
+                mask=mask_row_ok[:, None] & (r_ok & (widx < W))[None, :],
+                other=0,
+            )
+            bits = (words >> (rel % 32)[None, :]) & 1
+            s = tl.where(bits != 0, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row may have seen nothing yet (C = 0, bits unset): keep exp2 off -inf - -inf.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + blk[:, None] * stride_vb + toff[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=kv_ok,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if not CONTEXT_INLINE:
+            # Log-sum-exp merge with the partials of the non-empty context chunks.  Each has a
+            # finite max on every row (its chunk is all visible), so m_new is finite here.
+            n_used = tl.cdiv(ctx, _split_chunk(ctx, num_splits, BLOCK_N))
+            part0 = (tile * tl.num_programs(1) + kvh).to(tl.int64) * num_splits
+            for sp in range(0, n_used):
+                ml = ml_ptr + (part0 + sp) * (2 * BLOCK_M)
+                m_s = tl.load(ml + offs_m)
+                l_s = tl.load(ml + BLOCK_M + offs_m)
+                a_s = tl.load(
+                    acc_ptr + (part0 + sp) * (BLOCK_M * BLOCK_D) + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+                )
+                m_new = tl.maximum(m_i, m_s)
+                alpha = tl.exp2(m_i - m_new)
+                beta = tl.exp2(m_s - m_new)
+                acc = acc * alpha[:, None] + a_s * beta[:, None]
+                l_i = l_i * alpha + l_s * beta
+                m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # rows that saw nothing: acc is 0, so out is 0
+        acc = acc / l_safe[:, None]
+        tl.store(
+            o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            acc.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@dataclass(frozen=True)
+class _TritonPlan:
+    """Index work, scratch and launch configuration of one forward (every layer of it shares them).
+
+    tiles: [n_tiles, 6] int32, per tile: request (-1 = unused grid slot), first query row
+        within the request, the request's first token in ``query``, its query count, C, T.
+    acc, ml: float32 scratch of the split kernel, ``[n_tiles * Hkv * num_splits * BLOCK_M *
+        BLOCK_D]`` and ``[n_tiles * Hkv * num_splits * 2 * BLOCK_M]``; ``tiles`` itself (never
+        read as scratch) when ``num_splits == 1``.
+    n_tiles, num_splits: grid sizes (``num_splits == 1``: no split kernel).
+    consts: the split kernel's constexpr / launch keywords; region_consts the region kernel's
+        (the same plus ``CONTEXT_INLINE``).
+    """
+
+    tiles: torch.Tensor
+    acc: torch.Tensor
+    ml: torch.Tensor
+    n_tiles: int
+    num_splits: int
+    consts: dict
+    region_consts: dict
+
+
+def _next_pow2(n: int) -> int:
+    """Smallest power of 2 >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def _choose_num_splits(n_tiles: int, hkv: int, max_context_len: int, block_n: int, n_sms: int) -> int:
+    """Splits of the context so that ``tiles x Hkv x splits`` fills ~``_PROGRAMS_PER_SM`` x the SMs.
+
+    Host ints only (no sync).  A split gets at least ``_MIN_SPLIT_TOKENS`` (and BLOCK_N) of the
+    longest possible context, so short contexts are not cut into programs that do no work.
+    """
+    want = -(-_PROGRAMS_PER_SM * n_sms // max(1, n_tiles * hkv))
+    per_split = max(_MIN_SPLIT_TOKENS, block_n)
+    cap = max(1, -(-max_context_len // per_split))
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def _make_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    max_context_len: int | None,
+    num_splits: int | None,
+    block_q: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> _TritonPlan:
+    """Tiling, split count, tile table and scratch (torch ops, no host sync).
+
+    Request ``r`` gets ``ceil(q_r / block_q)`` tiles; their number is at most
+    ``Q // block_q + R`` (each request wastes less than one tile), the grid size.
+    """
+    q_total, h, d = query.shape
+    _, hkv, bs, _ = key_cache.shape
+    r, max_blocks = block_table.shape
+    g = h // hkv
+    block_g = _next_pow2(g)
+    block_d = max(16, _next_pow2(d))
+    if block_q is None:
+        # 64 rows (one Hopper warpgroup's MMA height), >= 16 rows for tl.dot, and no more
+        # query tokens than a request can have.
+        block_q = max(16 // block_g, min(_next_pow2(max(mask.shape[1], 1)), 64 // block_g), 1)
+    if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32  # K and V tiles of 64 x 256 would crowd shared memory
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
+    block_m = block_q * block_g
+    n_grid = q_total // block_q + r
+    if num_splits is None:
+        bound = max_blocks * bs if max_context_len is None else max_context_len
+        num_splits = _choose_num_splits(n_grid, hkv, bound, block_n, _num_sms(query.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # Triton's interpreter (CPU tests) computes bfloat16 tl.dot wrongly; on GPUs bf16 dots are fine.
+    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    consts = dict(
+        BLOCK_SIZE=bs,
+        D=d,
+        G=g,
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
+        num_warps=num_warps or (4 if block_m <= 64 else 8),  # 128 x 128 float32 accumulators: 8 warps
+        num_stages=num_stages or 3,
+    )
+
+    dev = query_start_loc.device
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    n_tiles = (q_lens + block_q - 1) // block_q
+    tile_end = torch.cumsum(n_tiles, 0)
+    p = torch.arange(n_grid, device=dev)
+    req = torch.searchsorted(tile_end, p, right=True)
+    req_c = req.clamp(max=r - 1)
+    tiles = torch.stack(
+        [
+            torch.where(req < r, req, torch.full_like(req, -1)),
+            (p - (tile_end - n_tiles)[req_c]) * block_q,
+            qsl[req_c],
+            q_lens[req_c],
+            context_lens.to(torch.int64)[req_c],
+            region_lens.to(torch.int64)[req_c],
+        ],
+        dim=1,
+    )
+    tiles = tiles.to(torch.int32).contiguous()
+    if num_splits > 1:
+        n_parts = n_grid * hkv * num_splits
+        acc = torch.empty(n_parts * block_m * block_d, dtype=torch.float32, device=dev)
+        ml = torch.empty(n_parts * 2 * block_m, dtype=torch.float32, device=dev)
+    else:
+        acc = ml = tiles
+    region_consts = {**consts, "CONTEXT_INLINE": num_splits == 1}
+    return _TritonPlan(tiles, acc, ml, n_grid, num_splits, consts, region_consts)
+
+
+def paged_tree_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    plan_cache: dict | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    """Launch the Triton kernels (arguments already checked); writes ``out`` ``[Q, H, D]``.
+
+    Args:
+        query .. out: as :func:`vllm_eagle2.kernels.paged_tree_attention`, shapes checked.
+        plan_cache: the caller's per-forward dict; the plan (tiling, tile table, scratch, split
+            count) is made on the first call and reused by the next calls with the same shapes,
+            which then cost only the launches.
+        max_context_len: a host-side upper bound of ``context_lens`` that sizes the split
+            count (default ``max_blocks * block_size``); any value is correct, a tight one
+            avoids splits that find nothing to do.
+        num_splits: force the number of context splits (tests); 1 = no split kernel.
+        block_q: query tokens per tile (power of 2, ``block_q * next_pow2(G) >= 16``).
+        block_n: kv positions per inner iteration (power of 2, >= 16).
+        num_warps, num_stages: launch options (default 4 warps for tiles of <= 64 rows, else 8;
+            3 stages).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' requested but triton is not importable")
+    q_total = query.shape[0]
+    if q_total == 0 or block_table.shape[0] == 0:
+        return
+    # Everything the plan depends on besides the index tensors' values (which the plan_cache
+    # contract fixes for its lifetime).
+    key = (
+        "triton",
+        query.shape,
+        query.dtype,
+        key_cache.shape[1:3],
+        block_table.shape,
+        mask.shape,
+        max_context_len,
+        num_splits,
+        block_q,
+        block_n,
+        num_warps,
+        num_stages,
+    )
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        plan = _make_plan(
+            query,
+            key_cache,
+            block_table,
+            query_start_loc,
+            context_lens,
+            region_lens,
+            mask,
+            max_context_len,
+            num_splits,
+            block_q,
+            block_n,
+            num_warps,
+            num_stages,
+        )
+        if plan_cache is not None:
+            plan_cache[key] = plan
+
+    qk_scale = float(scale) * _LOG2E
+    hkv = key_cache.shape[1]
+    max_blocks = block_table.shape[1]
+    if plan.num_splits > 1:
+        _ctx_split_kernel[(plan.n_tiles, hkv, plan.num_splits)](
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            plan.tiles,
+            plan.acc,
+            plan.ml,
+            qk_scale,
+            plan.num_splits,
+            *query.stride(),
+            *key_cache.stride(),
+            *value_cache.stride(),
+            *block_table.stride(),
+            max_blocks,
+            **plan.consts,
+        )
+    _region_merge_kernel[(plan.n_tiles, hkv)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_table,
+        mask,
+        plan.tiles,
+        plan.acc,
+        plan.ml,
+        qk_scale,
+        plan.num_splits,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *out.stride(),
+        *block_table.stride(),
+        *mask.stride(),
+        max_blocks,
+        mask.shape[1],
+        mask.shape[2],
+        **plan.region_consts,
+    )
