@@ -17,6 +17,7 @@ from .tree_mask import (
     pack_tree_mask,
     unpack_tree_mask,
 )
+from .vocab_topk import vocab_topk
 
 __all__ = [
     "CPU_BACKEND_ENV",
@@ -32,4 +33,5 @@ __all__ = [
     "pack_tree_mask",
     "paged_tree_attention",
     "unpack_tree_mask",
+    "vocab_topk",
 ]

@@ -15,7 +15,7 @@ from vllm_eagle2.tree import TREE_MODES, build_dynamic_tree, pool_size
 from vllm_eagle2.verify import verify_greedy, verify_tree
 
 
-def garbage_logprobs(gen: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tensor:
+def garbage_logits(gen: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tensor:
     x = torch.randn(shape, generator=gen) * 3
     if kind == "nan":
         x[torch.rand(shape, generator=gen) < 0.5] = math.nan
@@ -62,10 +62,10 @@ def test_garbage_drafts_never_change_what_is_emitted(
     num_tokens = max(1, round(frac * pool_size(depth, topk)))
 
     def step(tokens, prev_slots, level):
-        return garbage_logprobs(gen, (*tokens.shape, vocab), kind)
+        return garbage_logits(gen, (*tokens.shape, vocab), kind)
 
     tree = build_dynamic_tree(
-        garbage_logprobs(gen, (batch, vocab), kind),
+        garbage_logits(gen, (batch, vocab), kind),
         step,
         depth=depth,
         topk=topk,

@@ -3,31 +3,33 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from aten_ops import AtenOps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_eagle2.tree import TREE_MODES, build_dynamic_tree, pool_size, tree_size
 
 
-def node_logprobs(path: tuple[int, ...], vocab: int, seed: int, sharp: float = 3.0) -> torch.Tensor:
-    """Draft log-probs [V] after the token path ``path``: deterministic in (path, seed)."""
+def node_logits(path: tuple[int, ...], vocab: int, seed: int, sharp: float = 3.0) -> torch.Tensor:
+    """Draft logits [V] after the token path ``path``: deterministic in (path, seed)."""
     gen = torch.Generator().manual_seed(hash((seed,) + path) % (2**31))
-    return (torch.randn(vocab, generator=gen) * sharp).log_softmax(-1)
+    return torch.randn(vocab, generator=gen) * sharp
 
 
 class PathDraft:
     """A draft_step whose output depends on each frontier node's full token path."""
 
-    def __init__(self, root_paths: list[tuple[int, ...]], vocab: int, seed: int, fn=node_logprobs):
+    def __init__(self, root_paths: list[tuple[int, ...]], vocab: int, seed: int, fn=node_logits):
         self.vocab, self.seed, self.fn = vocab, seed, fn
         self.paths: list[list[tuple[int, ...]]] | None = None
         self.root_paths = root_paths
         self.calls: list[int] = []
 
-    def root_logprobs(self) -> torch.Tensor:
+    def root_logits(self) -> torch.Tensor:
         return torch.stack([self.fn(p, self.vocab, self.seed) for p in self.root_paths])
 
     def __call__(self, tokens: torch.Tensor, prev_slots: torch.Tensor, level: int) -> torch.Tensor:
@@ -42,7 +44,7 @@ class PathDraft:
         )
 
 
-def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=node_logprobs):
+def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=node_logits):
     """One request's tree, node by node, straight from the definition."""
     if mode == "chain":
         depth, topk = min(depth, num_tokens), 1
@@ -53,7 +55,8 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
     def children(parent_id):
         parent = nodes[parent_id] if parent_id >= 0 else None
         path = parent["path"] if parent else root_path
-        lp = fn(path, vocab, seed)
+        logits = fn(path, vocab, seed)
+        lp = logits - logits.logsumexp(-1, keepdim=True)  # the log-softmax, as vocab_topk forms it
         order = sorted(range(vocab), key=lambda t: -float(lp[t]))[:topk]
         out = []
         for rank, tok in enumerate(order):
@@ -116,10 +119,10 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
     )
 
 
-def run_fast(batch, vocab, seed, depth, topk, num_tokens, mode, fn=node_logprobs):
+def run_fast(batch, vocab, seed, depth, topk, num_tokens, mode, fn=node_logits):
     draft = PathDraft([(1000 + b,) for b in range(batch)], vocab, seed, fn)
     tree = build_dynamic_tree(
-        draft.root_logprobs(), draft, depth=depth, topk=topk, num_tokens=num_tokens, mode=mode
+        draft.root_logits(), draft, depth=depth, topk=topk, num_tokens=num_tokens, mode=mode
     )
     return tree, draft
 
@@ -208,7 +211,7 @@ def test_num_tokens_equal_to_pool_keeps_every_node():
 
 def test_nan_in_draft_logits_is_never_preferred():
     def nan_logprobs(path, vocab, seed):
-        lp = node_logprobs(path, vocab, seed)
+        lp = node_logits(path, vocab, seed)
         lp[: vocab // 2] = math.nan
         return lp
 
@@ -234,7 +237,7 @@ def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):
 
 
 def test_shape_mismatches_raise_value_error():
-    with pytest.raises(ValueError, match="root_logprobs"):
+    with pytest.raises(ValueError, match="root_logits"):
         build_dynamic_tree(torch.zeros(16), lambda *a: None, depth=1, topk=2, num_tokens=2)
     with pytest.raises(ValueError, match="draft_step"):
         build_dynamic_tree(
@@ -259,3 +262,103 @@ def test_random_settings_give_trees_with_parents_first(batch, depth, topk, frac,
     # A node's value is its parent's plus a log-prob <= 0.
     parent_score = torch.where(tree.parents >= 0, tree.scores.gather(1, tree.parents.clamp(min=0)), 0.0)
     assert (tree.scores <= parent_score + 1e-6).all()
+
+
+# --- Golden equality with the implementation before vocab_topk ----------------------------
+# tests/data/tree_golden.pt holds the trees that build_dynamic_tree gave (before it took
+# logits and used vocab_topk) on the inputs below: float32 log-probs (log_softmax of
+# seeded randn), all modes, batch 1-5, V 50-500.
+GOLDEN = Path(__file__).parent / "data" / "tree_golden.pt"
+
+
+def golden_inputs(seed: int, batch: int, vocab: int):
+    gen = torch.Generator().manual_seed(seed)
+    root = (torch.randn(batch, vocab, generator=gen) * 3).log_softmax(-1)
+    table = torch.randn(4, vocab, vocab, generator=gen) * 3  # [level % 4, token, V]
+
+    def step(tokens, prev_slots, level):
+        # Depends on each frontier token, its parent's slot and the level.
+        return (table[level % 4][tokens] + 0.25 * prev_slots.unsqueeze(-1).float()).log_softmax(-1)
+
+    return root, step
+
+
+@pytest.mark.parametrize("case", torch.load(GOLDEN), ids=lambda c: f"{c['mode']}-{c['seed']}")
+def test_tree_equals_the_pre_vocab_topk_golden_trees(case):
+    root, step = golden_inputs(case["seed"], case["batch"], case["vocab"])
+    tree = build_dynamic_tree(
+        root, step, depth=case["depth"], topk=case["topk"], num_tokens=case["num_tokens"], mode=case["mode"]
+    )
+    assert torch.equal(tree.tokens, case["tokens"])
+    assert torch.equal(tree.parents, case["parents"])
+    assert torch.equal(tree.depths, case["depths"])
+    torch.testing.assert_close(tree.scores, case["scores"], atol=1e-5, rtol=0)
+
+
+def test_low_precision_logits_give_the_tree_of_their_float32_values():
+    gen = torch.Generator().manual_seed(0)
+    root = (torch.randn(2, 300, generator=gen) * 3).bfloat16()
+    levels = [(torch.randn(2, 4, 300, generator=gen) * 3).bfloat16() for _ in range(3)]
+    trees = [
+        build_dynamic_tree(
+            root.to(dtype),
+            lambda tokens, prev_slots, level, dtype=dtype: levels[level - 2].to(dtype),
+            depth=4,
+            topk=4,
+            num_tokens=20,
+        )
+        for dtype in (torch.bfloat16, torch.float32)
+    ]
+    assert torch.equal(trees[0].parents, trees[1].parents) and torch.equal(trees[0].scores, trees[1].scores)
+
+
+# --- Sync-free and cheap: what makes the build CUDA-graph capturable and fast --------------
+
+
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_tree_build_has_no_host_sync(mode):
+    # Meta tensors have no data: .item(), bool(t), .tolist(), nonzero and boolean-mask
+    # indexing all raise on them, so any data-dependent host read fails this test.
+    meta = torch.device("meta")
+    batch, vocab = 3, 50
+
+    def step(tokens, prev_slots, level):
+        return torch.empty(batch, tokens.shape[1], vocab, dtype=torch.bfloat16, device=meta)
+
+    tree = build_dynamic_tree(
+        torch.empty(batch, vocab, device=meta), step, depth=4, topk=3, num_tokens=10, mode=mode
+    )
+    n = tree_size(mode, 4, 3, 10)
+    for field in (tree.tokens, tree.parents, tree.depths, tree.scores):
+        assert field.device == meta and field.shape == (batch, n)
+
+
+def count_tree_ops(depth: int, mode: str = "dynamic", topk: int = 10, num_tokens: int = 60) -> int:
+    batch, vocab = 2, 1000
+    gen = torch.Generator().manual_seed(0)
+    root = torch.randn(batch, vocab, generator=gen)
+    width = 1 if mode == "chain" else topk
+    levels = [torch.randn(batch, width, vocab, generator=gen) for _ in range(depth)]  # a list: no ops
+    with torch.no_grad(), AtenOps() as counter:
+        build_dynamic_tree(
+            root,
+            lambda tokens, prev_slots, level: levels[level - 2],
+            depth=depth,
+            topk=topk,
+            num_tokens=min(num_tokens, pool_size(depth, topk)),
+            mode=mode,
+        )
+    return counter.total
+
+
+@pytest.mark.parametrize("mode", TREE_MODES)
+def test_tree_build_launch_budget(mode):
+    # Reached with the torch vocab_topk (CPU, float32 logits): per middle level 5 ops in
+    # vocab_topk (nan_to_num, topk, logsumexp, clamp, sub), 5 of the tree (add, sort,
+    # 2 gathers, div) and 6 views; static and no_value add a key op and its gather plus
+    # 2 views. Before vocab_topk: 41 ops per level and 256 at depth 6, with a host sync
+    # per level. On CUDA vocab_topk is 2 Triton launches instead of 5 ops.
+    per_level = {"static": 20, "no_value": 20}.get(mode, 16)
+    total = {"dynamic": 107, "chain": 107, "no_rerank": 123, "static": 129, "no_value": 127}[mode]
+    assert count_tree_ops(6, mode) - count_tree_ops(5, mode) <= per_level
+    assert count_tree_ops(6, mode) <= total

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from aten_ops import AtenOps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_eagle2.kernels import (
     HAS_TRITON,
     TreeMasks,
     build_tree_masks,
+    tree_mask,
     unpack_tree_mask,
 )
 
@@ -381,3 +383,27 @@ def test_unpack_rejects_bad_input() -> None:
         unpack_tree_mask(torch.zeros(1, 1, dtype=torch.int64), 3)
     with pytest.raises(ValueError):
         unpack_tree_mask(torch.zeros(1, 1, dtype=torch.int32), 33)
+
+
+def test_triton_masks_are_one_launch_without_dtype_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # int32 parents straight from the caller: the kernel reads them and writes every output word
+    # and depth (no zero fill); the dense mask is only unpacked when asked for. The launch is
+    # recorded, not run: the interpreter's own tensor copies would count as ops.
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(args[0].dtype)
+
+    monkeypatch.setattr(tree_mask, "_tree_mask_kernel", Recorder())
+    parents = torch.tensor([[-1, 0, 1, 0, -2]], dtype=torch.int32)
+    with AtenOps() as ops:
+        build_tree_masks(parents, backend="triton")
+    assert set(ops.counts) <= {"empty"}, ops.counts
+    assert launches == [torch.int32]
+
+
+def test_torch_masks_without_value_checks_never_sync() -> None:
+    parents = torch.tensor([[-1, 0, 1, 0, -2]])
+    with AtenOps():
+        build_tree_masks(parents, backend="torch", check_values=False)

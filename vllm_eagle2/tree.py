@@ -1,6 +1,8 @@
 """EAGLE-2 draft-tree construction, batched over requests, engine-independent.
 
-Every request grows its own tree from the draft head's log-probabilities:
+Every request grows its own tree from the draft head's log-probabilities (the top-k of
+each node's log-softmax, taken straight from the head's logits by
+:func:`vllm_eagle2.kernels.vocab_topk`):
 
 * level 1 = the ``topk`` most likely children of the root (the last verified token);
 * every further level expands the current frontier (``topk`` nodes per request): each
@@ -15,16 +17,19 @@ Ties always go to the node drafted first (shallower, then higher-ranked), which 
 the kept set ancestor-closed even for probability-1 children: a child's value never
 exceeds its parent's, and the parent comes first in the pool.
 
-The only Python loop is over tree levels; each row of the batch grows its own tree.
+The only Python loop is over tree levels; each row of the batch grows its own tree. No
+step reads tensor data on the host and every shape follows from the arguments, so the
+build can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from vllm_eagle2.kernels import vocab_topk
 
 __all__ = [
     "TREE_MODES",
@@ -39,12 +44,13 @@ __all__ = [
 #: ablations, behind the same interface so one benchmark can compare them.
 TREE_MODES: tuple[str, ...] = ("dynamic", "static", "chain", "no_value", "no_rerank")
 
-#: ``draft_step(tokens, prev_slots, level) -> logprobs``.
+#: ``draft_step(tokens, prev_slots, level) -> logits``.
 #: ``tokens`` [B, K] int64 is the frontier to expand (K = topk, or 1 in ``chain`` mode);
 #: ``prev_slots`` [B, K] int64 names, for each frontier node, the slot (0..K-1) of its
 #: parent in the previous call's ``tokens`` (all zeros on the first call, whose frontier
 #: is level 1 and whose parent is the root); ``level`` is the depth of the children being
-#: produced (2..depth). Returns draft log-probabilities [B, K, V] of those children.
+#: produced (2..depth). Returns the draft's logits [B, K, V] (any float dtype, unnormalised;
+#: log-probs work too) of those children; only their top-``K`` log-softmax is ever formed.
 DraftStep = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 # ``static`` mode: EAGLE-1's tree has a fixed shape chosen offline from how often the
@@ -111,27 +117,17 @@ def validate_tree_args(mode: str, depth: int, topk: int, num_tokens: int) -> Non
         )
 
 
-def _topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k (values, indices) over the last dim; NaN and +inf never outrank real candidates.
-
-    torch.topk ranks NaN and +inf highest; only when one shows up among the winners is
-    the whole tensor cleaned (a full copy of [..., V] at every level would cost more than
-    the top-k itself).
-    """
-    values, indices = logprobs.float().topk(k, dim=-1)
-    if bool(torch.isnan(values).any() or torch.isposinf(values).any()):
-        clean = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=-math.inf)
-        values, indices = clean.topk(k, dim=-1)
-    return values, indices
-
-
 def _stable_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [B, k] of the k largest keys per row; ties go to the lower index."""
     return torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def build_dynamic_tree(
-    root_logprobs: torch.Tensor,
+    root_logits: torch.Tensor,
     draft_step: DraftStep,
     *,
     depth: int,
@@ -141,8 +137,15 @@ def build_dynamic_tree(
 ) -> DraftTree:
     """Grow one draft tree per request and keep its best ``num_tokens`` nodes.
 
+    Sync-free and fixed-shape (no host reads of tensor data, every shape follows from the
+    arguments), so a whole call can be captured in a CUDA graph with its ``draft_step``.
+    Each level costs one :func:`~vllm_eagle2.kernels.vocab_topk` over its ``[B*K, V]``
+    logits plus a handful of small ops on ``[B, topk**2]`` tensors.
+
     Args:
-        root_logprobs: [B, V] float, draft log-probabilities of the root's children.
+        root_logits: [B, V] float (any float dtype), unnormalised draft logits of the
+            root's children (log-probs work too: the log-softmax is idempotent). NaN and
+            +inf count as -inf.
         draft_step: see :data:`DraftStep`; called ``depth - 1`` times (fewer in
             ``chain`` mode when ``num_tokens < depth``).
         depth: number of draft levels (>= 1).
@@ -162,110 +165,140 @@ def build_dynamic_tree(
         :class:`DraftTree` with N = ``tree_size(mode, depth, topk, num_tokens)`` nodes.
     """
     validate_tree_args(mode, depth, topk, num_tokens)
-    if root_logprobs.dim() != 2 or not root_logprobs.is_floating_point():
+    if root_logits.dim() != 2 or not root_logits.is_floating_point():
         raise ValueError(
-            f"root_logprobs must be a float tensor [B, V]; got {tuple(root_logprobs.shape)} "
-            f"{root_logprobs.dtype}"
+            f"root_logits must be a float tensor [B, V]; got {tuple(root_logits.shape)} {root_logits.dtype}"
         )
-    batch, vocab = root_logprobs.shape
+    batch, vocab = root_logits.shape
     if mode == "chain":
         depth, topk = min(depth, num_tokens), 1
         num_tokens = depth
     if topk > vocab:
         raise ValueError(f"topk must be <= the vocabulary size {vocab}; got {topk}")
-    device = root_logprobs.device
-    k = topk
-    pool = pool_size(depth, k)
+    device = root_logits.device
+    k, kk = topk, topk * topk
+    # In dynamic, chain and no_rerank modes a node's key is its value: no separate keys.
+    separate_keys = mode in ("static", "no_value")
+    last_chosen_needed = mode == "no_rerank"  # frontier flags of the last level
 
-    pool_tokens = torch.empty(batch, pool, dtype=torch.long, device=device)
-    pool_parent = torch.empty(batch, pool, dtype=torch.long, device=device)  # pool index, -1 root
-    pool_value = torch.empty(batch, pool, dtype=torch.float32, device=device)
-    pool_key = torch.empty(batch, pool, dtype=torch.float32, device=device)
-    pool_depth = torch.empty(pool, dtype=torch.long, device=device)
-    frontier_flag = torch.zeros(batch, pool, dtype=torch.bool, device=device)
+    # Pool layout: level 1 = k nodes at 0..k-1; level L >= 2 = k*k nodes at
+    # k + (L-2)*k*k + j, child j % k (in rank order) of frontier slot j // k of level L-1.
+    # Level lists are concatenated once at the end instead of written per level.
+    logp, tokens = vocab_topk(root_logits, k)  # [B, k], sorted descending
+    if mode == "static":
+        # The rank priors _STATIC_TOP1_LOGP + r * _STATIC_RANK_DECAY_LOGP as one arange
+        # (exact: binary fractions); the half-step margin keeps exactly k of them.
+        rank_logp = torch.arange(
+            _STATIC_TOP1_LOGP,
+            _STATIC_TOP1_LOGP + (k - 0.5) * _STATIC_RANK_DECAY_LOGP,
+            _STATIC_RANK_DECAY_LOGP,
+            device=device,
+        )
+        key = rank_logp.expand(batch, k)  # the root's key is 0
+    else:
+        # no_value caps by the root's key 0, a no-op: log-probs are <= 0.
+        key = logp
+    level_tokens, level_values, level_keys = [tokens], [logp], [key]
+    chosen_per_level: list[torch.Tensor] = []  # [B, k] frontier slots (0..k*k-1), levels 2..
 
-    # Level 1: the root's top-k children, all of them the first frontier.
-    logp, tokens = _topk(root_logprobs, k)  # [B, k], sorted descending
-    rank_logp = _rank_prior(k, device).expand(batch, k)
-    key = _node_key(mode, parent_key=torch.zeros_like(logp), logp=logp, rank_logp=rank_logp)
-    pool_tokens[:, :k] = tokens
-    pool_parent[:, :k] = -1
-    pool_value[:, :k] = logp
-    pool_key[:, :k] = key
-    pool_depth[:k] = 1
-    frontier_flag[:, :k] = True
-
-    frontier_idx = torch.arange(k, device=device).expand(batch, k)  # pool indices
     frontier_tokens, frontier_value, frontier_key = tokens, logp, key
     prev_slots = torch.zeros(batch, k, dtype=torch.long, device=device)
     for level in range(2, depth + 1):
-        child_lp = draft_step(frontier_tokens, prev_slots, level)
-        if child_lp.shape != (batch, k, vocab):
+        child_logits = draft_step(frontier_tokens, prev_slots, level)
+        if child_logits.shape != (batch, k, vocab):
             raise ValueError(
-                f"draft_step must return logprobs of shape {(batch, k, vocab)} at level {level}; "
-                f"got {tuple(child_lp.shape)}"
+                f"draft_step must return logits of shape {(batch, k, vocab)} at level {level}; "
+                f"got {tuple(child_logits.shape)}"
             )
-        logp, tokens = _topk(child_lp, k)  # [B, k, k]
-        value = (frontier_value.unsqueeze(-1) + logp).flatten(1)  # [B, k*k]
-        key = _node_key(
-            mode,
-            parent_key=frontier_key.unsqueeze(-1),
-            logp=logp,
-            rank_logp=_rank_prior(k, device).expand(batch, k, k),
-        ).flatten(1)
-        tokens = tokens.flatten(1)
-        base = k + (level - 2) * k * k
-        level_slice = slice(base, base + k * k)
-        parent_slot = torch.arange(k * k, device=device) // k  # which frontier node
-        pool_tokens[:, level_slice] = tokens
-        pool_parent[:, level_slice] = frontier_idx[:, parent_slot]
-        pool_value[:, level_slice] = value
-        pool_key[:, level_slice] = key
-        pool_depth[level_slice] = level
-
+        logp, tokens = vocab_topk(child_logits.reshape(batch * k, vocab), k)  # [B*k, k]
+        logp = logp.view(batch, k, k)
+        value = (frontier_value.unsqueeze(-1) + logp).view(batch, kk)
+        if mode == "static":
+            key = (frontier_key.unsqueeze(-1) + rank_logp).view(batch, kk)
+        elif mode == "no_value":
+            key = torch.minimum(frontier_key.unsqueeze(-1), logp).view(batch, kk)
+        else:
+            key = value
+        tokens = tokens.view(batch, kk)
+        level_tokens.append(tokens)
+        level_values.append(value)
+        level_keys.append(key)
+        if level == depth and not last_chosen_needed:
+            break
         chosen = _stable_topk(key, k)  # [B, k] in 0..k*k-1
-        frontier_flag[:, level_slice].scatter_(1, chosen, True)
-        prev_slots = chosen // k
-        frontier_idx = base + chosen
+        chosen_per_level.append(chosen)
+        if level == depth:
+            break
+        prev_slots = chosen.div(k, rounding_mode="floor")
         frontier_tokens = tokens.gather(1, chosen)
         frontier_value = value.gather(1, chosen)
-        frontier_key = key.gather(1, chosen)
+        if separate_keys:
+            frontier_key = key.gather(1, chosen)
 
+    pool_tokens = _cat(level_tokens)  # [B, pool]
+    pool_value = _cat(level_values)
+    pool_key = _cat(level_keys) if separate_keys else pool_value
+    frontier_flag = (
+        _frontier_flags(chosen_per_level, batch, k, depth, device) if mode == "no_rerank" else None
+    )
     kept = _rerank(mode, pool_key, frontier_flag, num_tokens)  # [B, N] pool indices, ascending
-    # Map pool indices to positions in the kept list so parents point inside the tree.
-    position_of = torch.full((batch, pool), -1, dtype=torch.long, device=device)
-    position_of.scatter_(1, kept, torch.arange(num_tokens, device=device).expand(batch, -1))
-    parent_pool = pool_parent.gather(1, kept)
-    parents = torch.where(parent_pool >= 0, position_of.gather(1, parent_pool.clamp(min=0)), parent_pool)
     return DraftTree(
         tokens=pool_tokens.gather(1, kept),
-        parents=parents,
-        depths=pool_depth[kept],
+        parents=_kept_parents(kept, chosen_per_level[: depth - 2], k, pool_value.shape[1]),
+        # Pool index p is at depth 1 if p < k, else 2 + (p - k) // k^2; one formula for both.
+        depths=(kept + (kk - k)).div(kk, rounding_mode="floor") + 1,
         scores=pool_value.gather(1, kept),
     )
 
 
-def _rank_prior(k: int, device: torch.device) -> torch.Tensor:
-    """[k] log-prior that the rank-r draft token is accepted (``static`` mode)."""
-    ranks = torch.arange(k, device=device, dtype=torch.float32)
-    return _STATIC_TOP1_LOGP + ranks * _STATIC_RANK_DECAY_LOGP
-
-
-def _node_key(
-    mode: str, *, parent_key: torch.Tensor, logp: torch.Tensor, rank_logp: torch.Tensor
+def _kept_parents(
+    kept: torch.Tensor, chosen_per_level: list[torch.Tensor], k: int, pool: int
 ) -> torch.Tensor:
-    """Selection key of new nodes; never larger than the parent's key (keeps trees closed)."""
-    if mode == "static":
-        return parent_key + rank_logp
-    if mode == "no_value":
-        # Level 1 has parent_key 0 >= any log-prob, so the cap is a no-op there.
-        return torch.minimum(parent_key, logp)
-    return parent_key + logp
+    """Parents [B, N] (positions in ``kept``, -1 = root) of the kept pool nodes.
+
+    ``chosen_per_level``: frontier slots of levels 2..depth-1, each [B, k]. Shifting all
+    pool indices by one puts the root at 0: ``frontier1[B, 1 + (depth-1)*k]`` lists, shifted,
+    the root and then the frontier nodes of levels 1..depth-1, so that the shifted parent
+    of pool node p is ``frontier1[p // k]`` (p // k = 0 for level 1, else
+    1 + (L-2)*k + slot // k for child slot of level L).
+    """
+    batch, num_tokens = kept.shape
+    device = kept.device
+    kk = k * k
+    frontier1 = torch.arange(k + 1, device=device).expand(batch, k + 1)  # root, level 1
+    if chosen_per_level:
+        # Level L >= 2 starts at pool index k + (L-2)*k*k, shifted by one.
+        starts = torch.arange(k + 1, k + 1 + len(chosen_per_level) * kk, kk, device=device)
+        later = (torch.stack(chosen_per_level, dim=1) + starts.unsqueeze(-1)).flatten(1)
+        frontier1 = torch.cat([frontier1, later], dim=1)
+    parent1 = frontier1.gather(1, kept.div(k, rounding_mode="floor"))
+    # position1[b, p + 1] = position of pool node p in kept, or -1 (root and dropped nodes).
+    position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=device)
+    position1.scatter_(1, kept + 1, torch.arange(num_tokens, device=device).expand(batch, num_tokens))
+    return position1.gather(1, parent1)
 
 
-def _rerank(mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _frontier_flags(
+    chosen_per_level: list[torch.Tensor], batch: int, k: int, depth: int, device: torch.device
+) -> torch.Tensor:
+    """[B, pool] bool, True for every node that was chosen as a frontier (``no_rerank``).
+
+    ``chosen_per_level``: frontier slots of levels 2..depth, each [B, k].
+    """
+    kk = k * k
+    flags = torch.zeros(batch, pool_size(depth, k), dtype=torch.bool, device=device)
+    flags[:, :k] = True  # level 1 is the first frontier
+    if chosen_per_level:
+        starts = torch.arange(k, k + len(chosen_per_level) * kk, kk, device=device)
+        flags.scatter_(1, (torch.stack(chosen_per_level, dim=1) + starts.unsqueeze(-1)).flatten(1), True)
+    return flags
+
+
+def _rerank(
+    mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
     """Pool indices [B, num_tokens] of the kept nodes, sorted ascending (level order)."""
-    if mode == "no_rerank":
+    if frontier_flag is not None:
         # Frontier nodes first, in drafting order; leftover budget to the best of the rest.
         pool = pool_key.shape[1]
         order = torch.arange(pool, device=pool_key.device, dtype=torch.float64)
