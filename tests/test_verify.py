@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+from torch.utils._python_dispatch import TorchDispatchMode
+from vllm_eagle2.kernels import HAS_TRITON
 
+from vllm_eagle2 import verify
 from vllm_eagle2.verify import (
     apply_top_k_top_p,
     target_probs,
@@ -17,6 +22,9 @@ from vllm_eagle2.verify import (
     verify_sampling,
     verify_tree,
 )
+
+GOLDEN = Path(__file__).parent / "data" / "verify_golden.pt"
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def random_tree(n: int, vocab: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -88,8 +96,8 @@ def test_greedy_padding_nodes_are_never_accepted():
     logits[0, 0, 3] = logits[0, 1, 4] = 1.0  # root -> 3 -> 4 is the target's path
     logits[0, 2, 5] = 1.0
     result = verify_greedy(tokens, parents, logits)
-    assert result.output_tokens[0].tolist() == [3, 4, 0]
-    assert result.accepted_nodes[0].tolist() == [0, 2]
+    assert result.output_tokens[0].tolist() == [3, 4, 0, -1]  # fixed width N + 1
+    assert result.accepted_nodes[0].tolist() == [0, 2, -1]  # fixed width N
 
 
 def test_verify_rejects_bad_shapes():
@@ -331,3 +339,293 @@ def test_a_seeded_row_draws_the_same_numbers_whatever_the_batch(probs):
     )
     k = int(alone.num_accepted[0])
     assert mixed.output_tokens[1, : k + 1].tolist() == alone.output_tokens[0, : k + 1].tolist()
+
+
+def test_results_have_fixed_widths():
+    tokens = torch.tensor([[3, 5, -1, -1]])
+    parents = torch.tensor([[-1, 0, -1, -1]])
+    logits = torch.zeros(1, 5, 8)
+    for result in (
+        verify_greedy(tokens, parents, logits),
+        verify_tree(tokens, parents, logits, temperature=torch.ones(1)),
+        verify_sampling(tokens, parents, logits.softmax(-1)),
+    ):
+        assert result.accepted_nodes.shape == (1, 4)
+        assert result.output_tokens.shape == (1, 5)
+        assert result.output_tokens.is_contiguous() and result.accepted_nodes.is_contiguous()
+
+
+def test_seeded_rows_draw_a_fixed_count_per_call(probs):
+    """N + 2 numbers per seeded row and call, whatever its tree: no sync to size them."""
+    gen, twin = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    tokens, parents = torch.tensor([TREE_TOKENS]), torch.tensor([TREE_PARENTS])
+    verify_sampling(tokens, parents, probs.unsqueeze(0), generators={0: gen})
+    torch.rand(len(TREE_TOKENS) + 2, generator=twin)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=twin))
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 513, 1000, 1024])
+def test_cpu_block_argmax_is_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, 5, vocab, generator=gen).half().float()
+    x[0, 1, [5, 3, vocab - 1]] = 9.0  # ties at the maximum: the first index wins
+    x[0, 2, vocab - 1] = 9.0  # maximum in the ragged last block
+    x[1, 0] = -torch.inf
+    x[1, 1, [4, 2]] = torch.nan  # NaN counts as the maximum, as in argmax
+    x[2, 3] = 1.0
+    assert torch.equal(verify._argmax_last(x), x.argmax(-1))
+    assert torch.equal(verify._argmax_last(x.bfloat16()), x.bfloat16().argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------
+# The fused vocabulary read (CUDA's path: one vocab_topk(k = 1) launch pair over all rows),
+# run here by the Triton interpreter, against the CPU path (blocked argmax, chunked lse).
+
+
+def _force_vocab_kernel(monkeypatch):
+    monkeypatch.setattr(verify, "_use_vocab_kernel", lambda logits: True)
+
+
+def _tied_logits(dtype: torch.dtype) -> torch.Tensor:
+    """[3, 7, 1100] random logits (distinct maxima in float32) with planted exact ties."""
+    x = torch.randn(3, 7, 1100, generator=torch.Generator().manual_seed(7)) * 3
+    x[0, 1, [700, 3, 513]] = 20.0  # the first index wins, across argmax blocks
+    x[1, 2, [1099, 1098]] = 20.0  # in the ragged last block
+    x[2, 4, [260, 255, 256]] = 20.0  # around a block boundary
+    x[2, 5] = -torch.inf
+    x[2, 5, [9, 4]] = 0.0  # two finite values only, tied
+    return x.to(dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_argmax_lse_matches_the_cpu_path(dtype, monkeypatch):
+    logits = _tied_logits(dtype)
+    scale = torch.tensor([1.0, 1 / 0.7, 1 / 1.9])
+    want_best, want_lse = verify._argmax_lse(logits, scale)
+    assert torch.equal(want_best, logits.argmax(-1))
+    exact = (logits.double() * scale.double().view(3, 1, 1)).logsumexp(-1)
+    torch.testing.assert_close(want_lse.double(), exact, atol=1e-5, rtol=1e-6)
+    monkeypatch.setattr(verify, "_CPU_CHUNK_ELEMS", 5000)  # chunked: 1 row of 3 at a time
+    chunked_best, chunked_lse = verify._argmax_lse(logits, scale)
+    assert torch.equal(chunked_best, want_best)
+    torch.testing.assert_close(chunked_lse, want_lse, atol=1e-6, rtol=1e-6)
+
+    _force_vocab_kernel(monkeypatch)
+    best, lse = verify._argmax_lse(logits, scale)
+    assert torch.equal(best, want_best)  # bf16 holds more ties at the maximum: first index
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+    best, lse = verify._argmax_lse(logits, None)
+    assert torch.equal(best, want_best) and lse is None
+
+
+def _fused_vs_cpu_runs(tokens, parents, logits):
+    """Greedy, sampled (T mixed, same uniforms) and top-k / top-p verification results."""
+    batch, n = tokens.shape
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.6])[:batch]
+    u = torch.rand(batch, n + 2, generator=torch.Generator().manual_seed(1))
+    top_k = torch.tensor([0, 3, 5, 0])[:batch]
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8])[:batch]
+    return [
+        verify_greedy(tokens, parents, logits),
+        verify._verify(tokens, parents, logits=logits, temperature=temperature, uniforms=u),
+        verify._verify(tokens, parents, logits=logits, temperature=torch.ones(batch), uniforms=u),
+        verify._verify(
+            tokens, parents, logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u
+        ),
+    ]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_vocab_read_verifies_exactly_as_the_cpu_path(dtype, seed, monkeypatch):
+    tokens, parents, logits = _batch(4, 12, 600, seed=seed)
+    # Softer: a planted child gets p ~ 0.6 at T = 1, so acceptances depend on the uniforms.
+    logits = logits * 0.7
+    # Ties with the planted argmax (7.0) at a lower token in some rows: the first wins.
+    logits[seed % 4, :: 2 + seed, 1] = 7.0
+    logits = logits.to(dtype)
+    want = _fused_vs_cpu_runs(tokens, parents, logits)
+    _force_vocab_kernel(monkeypatch)
+    got = _fused_vs_cpu_runs(tokens, parents, logits)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.accepted_nodes, w.accepted_nodes)
+        assert torch.equal(g.num_accepted, w.num_accepted)
+        assert torch.equal(g.output_tokens, w.output_tokens)
+    assert int(want[0].num_accepted.sum()) > 0 and int(want[1].num_accepted.sum()) > 0  # not vacuous
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN arithmetic in the interpreter's numpy
+def test_fused_vocab_read_gives_valid_tokens_for_nan_logits(monkeypatch):
+    # Unspecified tokens on CUDA (NaN counts as -inf there), but always in [0, V).
+    tokens, parents, logits = _batch(3, 8, 300, seed=4)
+    logits[0, :, ::3] = torch.nan
+    logits[1] = torch.nan
+    logits[2, 0, 7] = torch.nan
+    _force_vocab_kernel(monkeypatch)
+    for result in _fused_vs_cpu_runs(tokens, parents, logits)[:3]:
+        final = result.output_tokens.gather(1, result.num_accepted.unsqueeze(1))
+        assert ((final >= 0) & (final < 300)).all()
+
+
+# ---------------------------------------------------------------------------------------
+# Golden cases: tests/data/verify_golden.pt holds 32 seeded random batches (B 1-6, N 1-40,
+# V 8-300; chains and bushes, duplicate sibling tokens, -1 padding nodes, exact ties at
+# the argmax, temperatures 0 / 0.7 / 1, some top-k / top-p) with the results of the
+# level-by-level verifier this module had before it became fixed-shape (commit 02572f6):
+# greedy, and sampled (its walk on target_probs with safe temperature 1 for T = 0 rows)
+# with the stored uniforms [B, D + 2] (D = deepest node): columns 0..D per level, the
+# last one for the final token. Old results are D (+ 1) wide, the new ones N (+ 1).
+
+
+def _golden_uniforms(old: torch.Tensor, n: int) -> torch.Tensor:
+    """The old uniforms in the new layout [B, N + 2]: final token first, then levels."""
+    filler = torch.rand(old.shape[0], n + 1 - (old.shape[1] - 1), generator=torch.Generator().manual_seed(0))
+    return torch.cat([old[:, -1:], old[:, :-1], filler], dim=1)
+
+
+def _assert_golden(result, golden, n):
+    nodes, num, out = golden
+    d = nodes.shape[1]
+    assert result.accepted_nodes.shape == (num.shape[0], n)
+    assert result.output_tokens.shape == (num.shape[0], n + 1)
+    assert torch.equal(result.num_accepted, num)
+    assert torch.equal(result.accepted_nodes[:, :d], nodes)
+    assert (result.accepted_nodes[:, d:] == -1).all()
+    assert torch.equal(result.output_tokens[:, : d + 1], out)
+    assert (result.output_tokens[:, d + 1 :] == -1).all()
+
+
+@pytest.mark.parametrize("cpu_blocks", ["default", "tiny"])
+def test_matches_the_level_walk_on_golden_cases(cpu_blocks, monkeypatch):
+    if cpu_blocks == "tiny":  # also run the CPU-only blocked argmax and chunked softmax paths
+        monkeypatch.setattr(verify, "_CPU_ARGMAX_BLOCK", 4)
+        monkeypatch.setattr(verify, "_CPU_CHUNK_ELEMS", 100)
+    cases = torch.load(GOLDEN)
+    assert len(cases) >= 30
+    for case in cases:
+        tokens, parents, logits = case["tokens"], case["parents"], case["logits"].float()
+        n = tokens.shape[1]
+        temperature, top_k, top_p = case["temperature"], case["top_k"], case["top_p"]
+        u = _golden_uniforms(case["uniforms"], n)
+        _assert_golden(verify_greedy(tokens, parents, logits), case["greedy"], n)
+        probs = target_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p)
+        sampled = verify._verify(tokens, parents, probs=probs, uniforms=u)
+        _assert_golden(sampled, case["sampled"], n)
+        given_depths = verify._verify(
+            tokens, parents, probs=probs, uniforms=u, depths=verify._node_depths(parents)
+        )
+        assert torch.equal(given_depths.output_tokens, sampled.output_tokens)
+        # From logits, greedy and sampled rows mixed: each row matches its own golden.
+        mixed = verify._verify(
+            tokens, parents, logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u
+        )
+        greedy = verify_greedy(tokens, parents, logits)
+        for b in range(tokens.shape[0]):
+            want = greedy if temperature[b] <= 0 else sampled
+            assert torch.equal(mixed.output_tokens[b], want.output_tokens[b]), (case["seed"], b)
+            assert torch.equal(mixed.accepted_nodes[b], want.accepted_nodes[b]), (case["seed"], b)
+
+
+# ---------------------------------------------------------------------------------------
+# No host sync and a bounded number of ops: what lets a CUDA graph capture verification.
+
+SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.equal.default,
+}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts aten ops; raises on any that needs the device's data on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None
+        )
+        if func in SYNC_OPS or bool_index:
+            raise AssertionError(f"host sync: {func}")
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **kwargs)
+
+
+def _batch(batch: int, n: int, vocab: int, device: str = "cpu", seed: int = 0):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    trees = [random_tree(n, vocab, rng) for _ in range(batch)]
+    tokens = torch.tensor([t for t, _ in trees])
+    parents = torch.tensor([p for _, p in trees])
+    logits = torch.stack([planted_logits(t, p, vocab, rng, gen) for t, p in trees])
+    return tokens.to(device), parents.to(device), logits.to(device)
+
+
+def _run_all(tokens, parents, logits, seeded: bool):
+    batch = tokens.shape[0]
+    gens = {1: torch.Generator(tokens.device).manual_seed(1)} if seeded else None
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0][:batch], device=tokens.device)
+    verify_greedy(tokens, parents, logits)
+    verify_sampling(tokens, parents, logits.softmax(-1), generators=gens)
+    verify_tree(tokens, parents, logits, temperature=temperature, generators=gens)
+    k = torch.full((batch,), 5, device=tokens.device)
+    verify_tree(tokens, parents, logits, temperature=temperature, top_k=k, top_p=k / 10, generators=gens)
+
+
+def test_the_sync_detector_catches_a_sync():
+    x = torch.ones(3)
+    for sync in (lambda: x.sum().item(), lambda: x.nonzero(), lambda: x[x > 0], lambda: bool(x.any())):
+        with pytest.raises(AssertionError, match="host sync"), _Ops():
+            sync()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_verify_has_no_host_sync(device):
+    # On CPU the CPU-only blocked argmax and chunked softmax run (vocabulary > 2 blocks);
+    # on the meta device the paths every other device takes, and any data access fails.
+    tokens, parents, logits = _batch(4, 30, 1100, device=device)
+    with _Ops():
+        _run_all(tokens, parents, logits, seeded=device == "cpu")
+
+
+def _op_counts(fn) -> int:
+    mode = _Ops()
+    with mode:
+        fn()
+    return sum(mode.counts.values())
+
+
+# aten ops (views included; each is at most one kernel launch) at B = 4, N = 60, V = 1100
+# on CPU, whatever the tree's shape. The level-by-level verifier took 264-413 (greedy) and
+# 677-1112 (verify_tree at T = 1) on these batches, growing with the accepted depth, with
+# 7-14 host syncs. Off CPU without Triton (no blocked argmax) greedy is 78 and T = 1 156;
+# on CUDA with Triton (the fused vocabulary read) 79 and 158, plus vocab_topk's 6 buffer
+# allocations and 2 Triton launches, and no [B, N + 1, V] pass of torch's any more.
+# T = 1 was 173 (Off CPU 160) before the fused read's lse replaced the softmax statistics.
+GREEDY_OPS = 92
+SAMPLED_OPS = 170
+FROM_PROBS_OPS = 124
+
+
+def test_verify_launch_budget():
+    tokens, parents, logits = _batch(4, 60, 1100)
+    temperature = torch.ones(4)
+    greedy = _op_counts(lambda: verify_greedy(tokens, parents, logits))
+    sampled = _op_counts(lambda: verify_tree(tokens, parents, logits, temperature=temperature))
+    probs = logits.softmax(-1)
+    from_probs = _op_counts(lambda: verify_sampling(tokens, parents, probs))
+    assert greedy <= GREEDY_OPS, greedy
+    assert sampled <= SAMPLED_OPS, sampled
+    assert from_probs <= FROM_PROBS_OPS, from_probs
+    assert sampled <= 2 * greedy  # sampling costs at most twice greedy
+    # Fixed shape: a chain as deep as the tree costs exactly the same.
+    chain = torch.arange(60).expand(4, 60) - 1
+    assert _op_counts(lambda: verify_greedy(tokens, chain, logits)) == greedy
