@@ -10,7 +10,7 @@ the model runner's and the drafter's methods from outside (nothing of the plugin
   vLLM's sampler at the root), less the KV moves;
 * ``KV moves``: ``_move_accepted_path`` (accepted path's KV and rows to the slots after the root);
 * ``draft: catch-up pass`` and ``draft: expansion passes``: the head's forwards (first pass over the
-  accepted tokens; one pass per further tree level), each with its ``lm_head`` and log-softmax;
+  accepted tokens; one pass per further tree level), each with its ``lm_head``;
 * ``draft: tree build``: ``build_dynamic_tree`` less the expansion passes (top-k, rerank, parents);
 * ``other``: the rest of the runner's step (vLLM's sampler and bookkeeping, drafter set-up) and, in
   ``engine overhead``, what ``generate`` spends outside the runner (scheduler, detokenizer).
@@ -116,7 +116,7 @@ def install_timers() -> Timers:
         lambda first_pass=False, **_: "head forward (catch-up)" if first_pass else "head forward (expansion)",
     )
     t.wrap(proposer.Eagle2Proposer, "propose", "propose")
-    t.wrap(proposer.Eagle2Proposer, "_draft_logprobs", "draft lm_head + log-softmax")
+    t.wrap(proposer.Eagle2Proposer, "_draft_logits", "draft lm_head")
     return t
 
 
@@ -144,7 +144,7 @@ def breakdown(t: Timers, wall: float) -> dict[str, Any]:
         "share": {k: round(v / wall, 4) for k, v in parts.items()},
         "head_forward_ms_per_step": {
             k: round(1000 * s[k] / steps, 3)
-            for k in ("head forward (catch-up)", "head forward (expansion)", "draft lm_head + log-softmax")
+            for k in ("head forward (catch-up)", "head forward (expansion)", "draft lm_head")
         },
     }
 

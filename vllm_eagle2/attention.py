@@ -30,12 +30,13 @@ class TreeBatch:
     """Tree queries of the next forward pass, R requests.
 
     rows: [Q] int64, rows of the flattened batch that are tree queries, grouped by request.
-    query_start_loc: [R + 1] int64, cumulative query counts (queries are the LAST q_r
-        tokens of the request's region).
+    query_start_loc: [R + 1] int64, cumulative query counts.
     block_table: [R, max_blocks] int32, the requests' rows of the block table.
     context_lens: [R] int64, tokens before the region (fully visible).
     region_lens: [R] int64, tokens in the region (visible through ``mask``).
-    mask: [R, max_q, W] int32, packed visibility of region tokens per query.
+    mask: [R, max_q, W] int32, packed visibility of region tokens per query: row i is the
+        i-th query of the request, whichever region row it is (the verifier recomputes only
+        the rows whose causal result is wrong).
     keep_kv: keep this forward's fresh K/V per layer for :func:`move_kv`.
     plan_cache: handed to every layer's :func:`paged_tree_attention` call, which keeps the
         index work that all layers of this forward share there (a new batch, a new cache).
@@ -80,7 +81,13 @@ def _layout_of(impl: Any) -> str:
 
 
 def _tree_forward(
-    impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, batch: TreeBatch
+    impl: Any,
+    layer: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    output: torch.Tensor,
+    batch: TreeBatch,
+    max_seq_len: int | None,
 ) -> None:
     layout = _layout_of(impl)
     if layout == "cpu":
@@ -102,6 +109,8 @@ def _tree_forward(
         batch.mask,
         impl.scale,
         plan_cache=batch.plan_cache,
+        # A host bound on the context sizes the CUDA kernel's split of it (no device read).
+        max_context_len=max_seq_len,
     )
     output.view(output.shape[0], num_heads, -1)[batch.rows] = out.to(output.dtype)
 
@@ -133,7 +142,8 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
             result = _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             batch = _batch
             if batch is not None and attn_metadata is not None and batch.rows.numel():
-                _tree_forward(_impl, layer, query, kv_cache, result, batch)
+                max_seq_len = getattr(attn_metadata, "max_seq_len", None)
+                _tree_forward(_impl, layer, query, kv_cache, result, batch, max_seq_len)
             return result
 
         def do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, _stock=stock_update):

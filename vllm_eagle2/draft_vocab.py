@@ -63,12 +63,15 @@ class DraftVocab:
         self.weight = lm_head_weight.index_select(0, self.ids)
         self.scale = scale
 
-    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] head outputs -> [N, V'] float32 log-probabilities over the subset."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> [N, V'] logits over the subset, in the weight's dtype.
+
+        Not normalised: the tree build's vocabulary top-k normalises only its winners.
+        """
         logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight)
         if self.scale != 1.0:
             logits = logits * self.scale
-        return logits.float().log_softmax(-1)
+        return logits
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Subset positions (any shape, int64, -1 = padding, kept) -> token ids."""

@@ -105,11 +105,15 @@ class Eagle2Proposer(EagleProposer):
         ids = torch.tensor(self.settings.draft_vocab_ids, dtype=torch.long)
         return DraftVocab(ids, weight.detach(), scale=float(processor.scale))
 
-    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] head outputs -> [N, V] float32 draft log-probs; V = the draft vocabulary's size."""
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> [N, V] draft logits (model dtype); V = the draft vocabulary's size.
+
+        Never normalised here: the tree's vocabulary top-k finds each row's winners and its
+        log-sum-exp in one pass, so no [N, V] float32 log-probs are materialised.
+        """
         if self.draft_vocab is not None:
-            return self.draft_vocab.logprobs(hidden)
-        return self.model.compute_logits(hidden).float().log_softmax(-1)
+            return self.draft_vocab.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary positions (-1 = padding) -> token ids."""
@@ -125,14 +129,14 @@ class Eagle2Proposer(EagleProposer):
             self.num_speculative_tokens = saved
 
     # -- drafting --------------------------------------------------------------------------
-    def _eligible_rows(self, req_ids: list[str]) -> torch.Tensor:
-        """[B] bool: requests whose sampling the tree verifier reproduces exactly."""
+    def _eligible_rows(self, req_ids: list[str]) -> list[bool]:
+        """Per request: whether the tree verifier reproduces its sampling exactly."""
         requests = getattr(self.runner, "requests", {})
         for rid in req_ids:
             if rid not in self._eligible:
                 state = requests.get(rid)
                 self._eligible[rid] = supports_tree_drafting(getattr(state, "sampling_params", None))
-        return torch.tensor([self._eligible[rid] for rid in req_ids], dtype=torch.bool)
+        return [self._eligible[rid] for rid in req_ids]
 
     def forget(self, req_ids: set[str]) -> None:
         for rid in req_ids:
@@ -172,10 +176,10 @@ class Eagle2Proposer(EagleProposer):
             return [[] for _ in range(batch)]
 
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
-        root_logprobs = self._draft_logprobs(last_hidden[sample_idx])
+        root_logits = self._draft_logits(last_hidden[sample_idx])
         expander = _TreeExpander(self, cad, root_pos, hidden[sample_idx])
         tree = build_dynamic_tree(
-            root_logprobs,
+            root_logits,
             expander,
             depth=self.settings.depth,
             topk=self.settings.topk,
@@ -187,12 +191,11 @@ class Eagle2Proposer(EagleProposer):
         self.trees = TreeStore(req_ids=req_ids, tokens=tokens, parents=tree.parents)
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
+        # vLLM wants host lists: one transfer brings the drafts and the fit flags together.
         n_out = min(num_speculative_tokens, tree.num_nodes)
-        ok = expander.fits.cpu()
-        if req_ids:
-            ok &= self._eligible_rows(req_ids)
-        drafts = tokens[:, :n_out].tolist()
-        return [row if keep else [] for row, keep in zip(drafts, ok.tolist())]
+        rows = torch.cat([tokens[:, :n_out], expander.fits.unsqueeze(1).long()], dim=1).tolist()
+        eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
+        return [row[:-1] if row[-1] and keep else [] for row, keep in zip(rows, eligible)]
 
     def _run_head(
         self,
@@ -243,6 +246,9 @@ class _TreeExpander:
         self.parent_hidden = root_hidden.unsqueeze(1)  # [B, 1 or K, H]
         self.visible: torch.Tensor | None = None  # [B, K, region] ancestor-or-self, region slots
         self.block_table = cad.block_table_tensor[: root_pos.shape[0]]
+        # Host-side bounds for the attention metadata (start <= root + 1 <= the first pass's
+        # sequence length), so no level reads a length back from the device.
+        self.max_seq_len = cad.max_seq_len
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots [B, K] of storage positions [B, K]; requests that do not fit: padding."""
@@ -274,21 +280,23 @@ class _TreeExpander:
         # Materialised: vLLM's CPU kernels index these flat, a stride-0 view would be misread.
         positions = (self.root_pos + level - 1).repeat_interleave(k).view(batch, k)
         num_tokens = batch * k
-        qsl = torch.arange(0, num_tokens + 1, k, dtype=torch.int32, device=device)
+        qsl_cpu = torch.arange(0, num_tokens + 1, k, dtype=torch.int32)
+        qsl = qsl_cpu.to(device, non_blocking=True)
         seq_lens = (self.start + region_len).to(torch.int32)
+        max_seq_len = self.max_seq_len + region_len
         cad = dataclasses.replace(
             self.cad,
             query_start_loc=qsl,
-            query_start_loc_cpu=qsl.cpu(),
+            query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens,
             num_reqs=batch,
             num_actual_tokens=num_tokens,
             max_query_len=k,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             block_table_tensor=self.block_table,
             slot_mapping=self._slots(storage).flatten(),
             positions=positions.flatten(),
-            seq_lens_cpu_upper_bound=seq_lens.cpu(),
+            seq_lens_cpu_upper_bound=torch.full((batch,), max_seq_len, dtype=torch.int32),
             is_prefilling=None,
         )
         attention.set_tree_batch(
@@ -310,4 +318,4 @@ class _TreeExpander:
             hidden_states=parent_hidden.flatten(0, 1),
         )
         self.parent_hidden = hidden.view(batch, k, -1)
-        return self.p._draft_logprobs(last_hidden).view(batch, k, -1)
+        return self.p._draft_logits(last_hidden).view(batch, k, -1)

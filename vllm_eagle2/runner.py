@@ -23,10 +23,8 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2 import attention
-from vllm_eagle2.kernels import build_tree_masks
+from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify import verify_tree
-
-_PAD_PARENT = -2
 
 
 @dataclass
@@ -43,10 +41,19 @@ class VerifyStep:
     row_start: torch.Tensor
 
 
-def _padded_drafts(meta: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scheduled draft tokens [B, N] (-1 padded), valid mask [B, N], counts [B]."""
-    n = torch.tensor(meta.num_draft_tokens, dtype=torch.long, device=device)
-    width = max(int(n.max()), 1)
+def _padded_drafts(
+    meta: Any, device: torch.device, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scheduled draft tokens [B, N] (-1 padded), valid mask [B, N], counts [B].
+
+    N = ``width``, the configured drafts per step (or more, should the scheduler send more): a
+    fixed width keeps the verifier's shapes, and the numbers a seeded request draws per step,
+    independent of the rest of the batch. The counts come from the scheduler's host-side list,
+    so nothing here syncs the device.
+    """
+    counts = meta.num_draft_tokens
+    n = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
+    width = max(max(counts, default=0), width, 1)
     col = torch.arange(width, device=device)
     valid = col < n.unsqueeze(1)
     first = meta.cu_num_draft_tokens.to(device).long() - n
@@ -80,6 +87,19 @@ def _stored_parents(
     return torch.where(valid, parents, -1)
 
 
+def _rows_to_recompute(depths: torch.Tensor) -> torch.Tensor:
+    """[B, N + 1] bool: region rows whose causal attention differs from their tree attention.
+
+    Region row j (0 = the root) is ``depths[:, j]`` deep (0 = padding). vLLM's causal kernel lets it
+    see rows 0..j, its tree mask its ancestors and itself: the two agree exactly when it has j
+    ancestors, i.e. depth j + 1 (the root, and every node of a leading chain). Those rows keep the
+    stock kernel's result, which saves work and keeps its rounding (bf16 outputs then match plain
+    decoding as often as vLLM's own EAGLE does).
+    """
+    col = torch.arange(depths.shape[1], device=depths.device)
+    return (depths > 0) & (depths != col + 1)
+
+
 def prepare_tree_verification(runner: Any, meta: Any) -> None:
     """Positions and attention masks for the trees of this step (after ``_prepare_inputs``)."""
     runner._eagle2_step = None
@@ -88,7 +108,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
         return
     device = runner.positions.device
     batch = len(meta.num_draft_tokens)
-    tokens, valid, n = _padded_drafts(meta, device)
+    tokens, valid, n = _padded_drafts(meta, device, runner.num_spec_tokens)
     parents = _stored_parents(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid)
     row_start = runner.query_start_loc.gpu[:batch].to(device).long()
     root_pos = runner.positions[row_start]
@@ -97,25 +117,33 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     region_parents = torch.cat(
         [
             torch.full((batch, 1), -1, dtype=torch.long, device=device),
-            torch.where(valid, parents + 1, _PAD_PARENT),
+            torch.where(valid, parents + 1, PAD_PARENT),
         ],
         dim=1,
     )
-    masks = build_tree_masks(region_parents)
-    node_rows = row_start.unsqueeze(1) + 1 + torch.arange(tokens.shape[1], device=device)
-    runner.positions[node_rows[valid]] = (root_pos.unsqueeze(1) + masks.depths[:, 1:] - 1)[valid]
+    masks = build_tree_masks(region_parents, check_values=False)  # valid by construction
+    # RoPE position of node i is root + depth; its row and KV slot stay root + 1 + i. Written as a
+    # delta (0 off the trees): padding entries may alias other requests' rows and must write nothing.
+    width = tokens.shape[1]
+    node_rows = (row_start.unsqueeze(1) + 1 + torch.arange(width, device=device)).clamp(
+        max=runner.positions.shape[0] - 1
+    )
+    want = root_pos.unsqueeze(1) + masks.depths[:, 1:] - 1
+    delta = torch.where(valid, want - runner.positions[node_rows], 0)
+    runner.positions.index_add_(0, node_rows.flatten(), delta.flatten().to(runner.positions.dtype))
 
-    # Only requests whose drafts branch take the tree-attention recompute: a chain's ancestors
-    # are exactly its predecessors, so vLLM's causal kernel is already right for it (and its
-    # accepted path never moves).
-    chain = ((parents == torch.arange(parents.shape[1], device=device) - 1) | ~valid).all(dim=1)
-    spec = ((n > 0) & ~chain).nonzero().squeeze(1)
-    q = n[spec] + 1
+    recompute = _rows_to_recompute(masks.depths)
+    # The one host sync of the glue: how many rows the tree-attention kernels recompute.
+    spec = recompute.any(dim=1).nonzero().squeeze(1)
+    need = recompute[spec]
+    q = need.sum(dim=1)
     qsl = torch.zeros(spec.numel() + 1, dtype=torch.long, device=device)
     qsl[1:] = q.cumsum(0)
-    rows = torch.repeat_interleave(row_start[spec], q) + (
-        torch.arange(int(qsl[-1]), device=device) - torch.repeat_interleave(qsl[:-1], q)
-    )
+    # The rows to recompute first, in region order: query i of a request uses mask row order[i].
+    order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices
+    words = masks.packed.shape[-1]
+    mask = masks.packed[spec].gather(1, order.unsqueeze(-1).expand(-1, -1, words))
+    rows = (row_start[spec].unsqueeze(1) + order)[torch.arange(need.shape[1], device=device) < q.unsqueeze(1)]
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
     attention.set_tree_batch(
         attention.TreeBatch(
@@ -123,8 +151,8 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
             query_start_loc=qsl,
             block_table=block_table[spec],
             context_lens=root_pos[spec],
-            region_lens=q,
-            mask=masks.packed[spec],
+            region_lens=n[spec] + 1,
+            mask=mask,
             keep_kv=True,
         )
     )
@@ -149,29 +177,22 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
     plain = runner.sampler(
         logits=logits[first_row], sampling_metadata=replace(sampling, max_num_logprobs=None)
     )
-    out_tokens = torch.full((batch, width + 1), -1, dtype=torch.long, device=device)
-    out_tokens[:, 0] = plain.sampled_token_ids.view(-1).long()
-    accepted = torch.full((batch, width), -1, dtype=torch.long, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-
-    spec = (n > 0).nonzero().squeeze(1)
-    row_of = {int(r): i for i, r in enumerate(spec.tolist())}
-
-    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x[spec]
-
+    has_drafts = n > 0
+    counts = meta.num_draft_tokens  # host list: which rows draft needs no device sync
     result = verify_tree(
-        step.tokens[spec],
-        step.parents[spec],
-        logits[row_idx[spec]],  # [B', N + 1, V]
-        temperature=None if sampling.all_greedy else pick(sampling.temperature),
-        top_k=pick(sampling.top_k),
-        top_p=pick(sampling.top_p),
-        generators={row_of[r]: g for r, g in (sampling.generators or {}).items() if r in row_of},
+        step.tokens,
+        step.parents,
+        logits[row_idx],  # [B, N + 1, V]; rows without drafts repeat their root
+        temperature=None if sampling.all_greedy else sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        generators={r: g for r, g in (sampling.generators or {}).items() if counts[r] > 0},
     )
-    out_tokens[spec, : result.output_tokens.shape[1]] = result.output_tokens
-    accepted[spec, : result.accepted_nodes.shape[1]] = result.accepted_nodes
-    num_accepted[spec] = result.num_accepted
+    # Requests without drafts keep vLLM's own sample at the root.
+    out_tokens = torch.where(has_drafts.unsqueeze(1), result.output_tokens, -1)
+    out_tokens[:, 0] = torch.where(has_drafts, out_tokens[:, 0], plain.sampled_token_ids.view(-1).long())
+    accepted = torch.where(has_drafts.unsqueeze(1), result.accepted_nodes, -1)
+    num_accepted = torch.where(has_drafts, result.num_accepted, 0)
     out_width = out_tokens.shape[1]
     logprobs = None
     if sampling.max_num_logprobs is not None:
@@ -200,12 +221,20 @@ def _move_accepted_path(
         return
     k = torch.arange(accepted.shape[1], device=accepted.device)
     on_path = k.unsqueeze(0) < num_accepted.unsqueeze(1)
-    src = (step.row_start.unsqueeze(1) + 1 + accepted)[on_path]
-    dst = (step.row_start.unsqueeze(1) + 1 + k)[on_path]
-    moved = src != dst
-    src, dst = src[moved], dst[moved]
-    if src.numel() == 0:
-        return
+    # Off the path the pair is the root onto itself: a no-op that no other pair writes to (entries
+    # past a request's drafts would alias the next request's rows).
+    root = step.row_start.unsqueeze(1)
+    dst = torch.where(on_path, root + 1 + k, root)
+    src = torch.where(on_path, root + 1 + accepted, root)
+    if accepted.is_cuda:
+        # Fixed shape, no sync: every (request, depth) pair is written, most of them no-ops.
+        src, dst = src.flatten(), dst.flatten()
+    else:
+        # On the CPU a compaction costs no device sync and spares the cache writes of the no-ops.
+        moved = src != dst
+        src, dst = src[moved], dst[moved]
+        if src.numel() == 0:
+            return
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
     drafter = runner.drafter
     layers = runner.vllm_config.compilation_config.static_forward_context
