@@ -55,3 +55,7 @@ def acceptance_length(metrics: dict[str, Any]) -> float:
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert drafts > 0, "no speculative steps ran"
     return 1.0 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped, and reported so, without one)")

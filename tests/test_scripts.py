@@ -64,6 +64,7 @@ def _run_script(script: str, *argv: str, timeout: int = 60) -> subprocess.Comple
         ),
         ("profile_step.py", ["--num-speculative-tokens", "--depth", "--topk", "--batch-size", "--output"]),
         ("bench_verify_forward.py", ["--m", "--cpu-attention", "--tiny", "--output"]),
+        ("bench_gpu.py", ["--device", "--batch-sizes", "--contexts", "--baseline", "--check", "--output"]),
         ("compare_cpu_attention.py", ["--batch-size", "--tiny", "--output"]),
         (
             "train_eagle_head.py",
@@ -165,3 +166,34 @@ def test_cpu_attention_backends_agree_on_a_real_engines_inputs(tmp_path: Path) -
     summary = json.loads(out.read_text())
     assert summary["dtype"] == "float32" and summary["calls"] > 0
     assert summary["cpp_vs_torch_max_abs_difference"] < 1e-4
+
+
+def test_bench_gpu_dry_run_on_cpu_times_every_piece_and_checks_every_kernel(tmp_path: Path) -> None:
+    """The GPU benchmark runs on the CPU (tiny shapes, Triton interpreted): rows and checks all there."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--device", "cpu", "--tiny"]
+    check = subprocess.run([*cmd, "--check"], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert check.returncode == 0, check.stdout + check.stderr[-3000:]
+    assert check.stdout.count("ok") >= 9 and "FAILED" not in check.stdout
+    out = tmp_path / "bench.json"
+    argv = [
+        "--batch-sizes",
+        "1",
+        "--contexts",
+        "64",
+        "--queries",
+        "8",
+        "--repeats",
+        "1",
+        "--output",
+        str(out),
+    ]
+    run = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    pieces = {(r["piece"], r["variant"]) for r in json.loads(out.read_text())["rows"]}
+    for piece in ("vocab top-k", "tree build", "masks", "verify greedy", "verify T=1"):
+        assert any(p == piece for p, _ in pieces), piece
+    assert ("attention", "tree attention") in pieces and ("attention", "dense SDPA") in pieces
+    assert out.with_suffix(".md").read_text().count("|") > 20
