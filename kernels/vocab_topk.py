@@ -39,9 +39,10 @@ Measured on an H200 (bf16, V = 128256, k = 10, CUDA-graph replay): R = 10 rows 1
 (float32 log_softmax + torch.topk: 100 us), R = 640 rows ~170 us (1576 us; one read of
 the logits ~40 us). At large R the insertion rounds, not the read, bound the kernel.
 With ``k = 1`` an insertion is one round, taken only when a tile raises its chunk's
-maximum, so the kernel should cost about one read of the logits (not measured yet): each
-row's argmax (lowest index among equal maxima, torch.argmax's first-maximum rule) and,
-as ``x[argmax] - logprob``, its log-sum-exp. Verification uses it that way.
+maximum: each row's argmax (lowest index among equal maxima, torch.argmax's first-maximum
+rule) and, as ``x[argmax] - logprob``, its log-sum-exp. Verification uses it that way: on
+the H200, greedy verification of 64 trees of 60 nodes (3,904 rows of 128,256 bf16
+logits) takes 530 us of GPU time in all, the kernel included.
 """
 
 from __future__ import annotations

@@ -297,6 +297,43 @@ def _argmax_lse(logits: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch
     return best, lse[0] if len(lse) == 1 else torch.cat(lse, 1)
 
 
+def _filtered_node_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    parent_row: torch.Tensor,
+    safe_tokens: torch.Tensor,
+    candidate: torch.Tensor,
+) -> torch.Tensor:
+    """Top-k / top-p target probability [B, N] of each node's token at its parent's row.
+
+    Non-candidates may get 0. Filtering sorts each row it touches. Off CPU every row is
+    filtered: fixed shapes, as vLLM's rejection sampler does. On CPU, where a compaction
+    costs no device sync, only the rows that parent a candidate are (at B = 1, m = 4,
+    V = 49,152: 2-3 sorted rows instead of 5).
+    """
+    batch, n_rows, _ = logits.shape
+    if logits.device.type != "cpu":
+        full = target_probs(logits, temperature, top_k, top_p)
+        rows = torch.arange(batch, device=logits.device).unsqueeze(1)
+        return full[rows, parent_row, safe_tokens]
+    need = torch.zeros(batch, n_rows, dtype=torch.int32).scatter_add_(1, parent_row, candidate.int()) > 0
+    b_idx, r_idx = need.nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        return torch.zeros(parent_row.shape, dtype=torch.float32)
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[b_idx]
+
+    probs = target_probs(logits[b_idx, r_idx].unsqueeze(1), temperature[b_idx], pick(top_k), pick(top_p))
+    slot = torch.full((batch, n_rows), -1, dtype=torch.long)
+    slot[b_idx, r_idx] = torch.arange(b_idx.numel())
+    at = slot.gather(1, parent_row)
+    p_node = probs.squeeze(1)[at.clamp(min=0), safe_tokens]
+    return torch.where(at >= 0, p_node, 0.0)
+
+
 def _verify(
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -345,9 +382,12 @@ def _verify(
     if sampled:
         assert uniforms is not None
         full_probs = probs
-        if full_probs is None and lse is None:
-            full_probs = target_probs(logits, temperature, top_k, top_p)
-        if full_probs is not None:
+        filtered = full_probs is None and lse is None  # top-k / top-p: no fused read
+        if filtered:
+            p_node = _filtered_node_probs(
+                logits, temperature, top_k, top_p, parent_row, safe_tokens, candidate
+            )
+        elif full_probs is not None:
             p_node = full_probs[rows.unsqueeze(1), parent_row, safe_tokens]
         else:  # softmax(logits / T) at the draft tokens only
             # (A float32 scale makes the product float32, computed as the kernel does.)
@@ -367,6 +407,10 @@ def _verify(
     if sampled:
         if full_probs is not None:
             leaf_probs = full_probs[rows, leaf_row]
+        elif filtered:
+            leaf_probs = target_probs(logits[rows, leaf_row].unsqueeze(1), temperature, top_k, top_p).squeeze(
+                1
+            )
         else:  # only the leaf rows become probabilities, [B, V]: one softmax op
             leaf_probs = (logits[rows, leaf_row] * scale.unsqueeze(1)).softmax(dim=-1)
         leaf_node = leaf_row - 1  # -1 = root
