@@ -93,8 +93,9 @@ def _rows_to_recompute(depths: torch.Tensor) -> torch.Tensor:
     Region row j (0 = the root) is ``depths[:, j]`` deep (0 = padding). vLLM's causal kernel lets it
     see rows 0..j, its tree mask its ancestors and itself: the two agree exactly when it has j
     ancestors, i.e. depth j + 1 (the root, and every node of a leading chain). Those rows keep the
-    stock kernel's result, which saves work and keeps its rounding (bf16 outputs then match plain
-    decoding as often as vLLM's own EAGLE does).
+    stock kernel's result, which saves work and keeps its rounding: the root's KV, which stays in
+    the cache, is then the one plain decoding writes (bf16, MT-bench, batch 16: eagle2's greedy
+    outputs identical to plain decoding in 51 of 64 answers, 46 when every row was recomputed).
     """
     col = torch.arange(depths.shape[1], device=depths.device)
     return (depths > 0) & (depths != col + 1)
