@@ -31,7 +31,8 @@ a softmax of the one leaf row per request for the residual draw. On CUDA with Tr
 the fused kernel :func:`vllm_eagle2.kernels.vocab_topk` with k = 1, which counts NaN and
 +inf logits as -inf: a row holding NaN or +inf target logits then yields an unspecified
 (but valid, in ``[0, V)``) token, where torch's argmax (the CPU path, unchanged) would pick
-the first NaN / +inf. With top-k / top-p the masked distribution is still built in full.
+the first NaN / +inf. With top-k / top-p the masked distribution is built (a sort over V)
+at the rows that parent a candidate: all rows off CPU, only those on CPU.
 """
 
 from __future__ import annotations
@@ -117,11 +118,6 @@ def _path_sums(tables: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor
     return total[:, :n]
 
 
-def _node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of every node [B, N] int64 (1 = child of root)."""
-    return _path_sums(_jump_pointers(parents), torch.ones_like(parents))
-
-
 def _siblings(tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate children and earlier candidate siblings.
 
@@ -137,11 +133,6 @@ def _siblings(tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor
     duplicate = (sibling_before & (tokens.unsqueeze(2) == tokens.unsqueeze(1)) & valid.unsqueeze(1)).any(2)
     candidate = valid & ~duplicate
     return candidate, sibling_before & candidate.unsqueeze(1)
-
-
-def _sibling_candidates(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: real nodes whose token no earlier sibling already carries."""
-    return _siblings(tokens, parents)[0]
 
 
 def _argmax_last(x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +335,6 @@ def _verify(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
-    depths: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Fixed-shape verification; every public function ends here.
 
@@ -357,8 +347,7 @@ def _verify(
 
     uniforms: [B, N + 2] for sampling: ``uniforms[:, 0]`` for the final (correction or
     bonus) token, ``uniforms[:, 1 + l]`` for tree level l (the children of depth-l
-    nodes). depths: optional [B, N] node depths (1 = child of root; any value <= N for
-    padding nodes), else computed.
+    nodes).
     """
     batch, n = tokens.shape
     rows = torch.arange(batch, device=tokens.device)
@@ -393,10 +382,7 @@ def _verify(
             # (A float32 scale makes the product float32, computed as the kernel does.)
             picked = logits[rows.unsqueeze(1), parent_row, safe_tokens] * scale.unsqueeze(1)
             p_node = (picked - lse.gather(1, parent_row)).exp()
-        if depths is None:
-            depths = _path_sums(tables, torch.ones_like(parents))
-        else:  # a caller's padding nodes may carry depth 0 or -1: any valid column will do
-            depths = depths.clamp(min=0)
+        depths = _path_sums(tables, torch.ones_like(parents))
         u_node = uniforms.gather(1, depths)  # column 1 + level = depth
         sampled_hit = _sampled_hits(candidate, sibling_before, p_node, u_node)
         hit = sampled_hit if greedy_row is None else torch.where(greedy_row.unsqueeze(1), hit, sampled_hit)
@@ -445,8 +431,6 @@ def verify_greedy(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     target_logits: torch.Tensor,
-    *,
-    depths: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Greedy verification: longest path matching the target's argmax, plus the bonus token.
 
@@ -454,11 +438,9 @@ def verify_greedy(
         tokens: [B, N] int64 drafted tokens (< 0 = padding).
         parents: [B, N] int64, -1 = child of root, else index of the parent (< own index).
         target_logits: [B, N + 1, V] target logits (or probabilities) at root and nodes.
-        depths: accepted for symmetry with :func:`verify_sampling`; greedy needs none.
 
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
-    del depths
     _check_tree(tokens, parents, target_logits, "target_logits")
     return _verify(tokens, parents, logits=target_logits)
 
@@ -470,7 +452,6 @@ def verify_sampling(
     *,
     generators: dict[int, torch.Generator] | None = None,
     generator: torch.Generator | None = None,
-    depths: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Lossless recursive rejection sampling over each request's tree.
 
@@ -482,14 +463,13 @@ def verify_sampling(
         generators: optional per-row generators (row index -> generator) for seeded
             requests, each drawing N + 2 numbers per call (see :func:`_uniforms`); other
             rows draw from ``generator`` (or torch's global one).
-        depths: optional [B, N] node depths (1 = child of root), else computed.
 
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
     _check_tree(tokens, parents, target_probs, "target_probs")
     batch, n = tokens.shape
     u = _uniforms(batch, n, tokens.device, generators, generator)
-    return _verify(tokens, parents, probs=target_probs, uniforms=u, depths=depths)
+    return _verify(tokens, parents, probs=target_probs, uniforms=u)
 
 
 def apply_top_k_top_p(
@@ -537,22 +517,22 @@ def verify_tree(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     generators: dict[int, torch.Generator] | None = None,
-    depths: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify a batch mixing greedy (temperature 0) and sampled requests.
 
     temperature/top_k/top_p: [B] per-request settings; ``temperature`` None or <= 0
-    (per row) = greedy. ``generators`` and ``depths`` as in :func:`verify_sampling`.
+    (per row) = greedy. ``generators`` as in :func:`verify_sampling`.
     Without top-k / top-p, target probabilities are only formed at the gathered draft
     tokens (from each row's log-sum-exp) and the leaf row; with them, the masked
-    distribution is built for all N + 1 rows. Both branches run for every row when
+    distribution is built for the rows that parent a candidate (see
+    :func:`_filtered_node_probs`) and the leaf row. Both branches run for every row when
     ``temperature`` is given, and are merged per row: no split of the batch, no sync.
 
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
     _check_tree(tokens, parents, target_logits, "target_logits")
     if temperature is None:
-        return _verify(tokens, parents, logits=target_logits, depths=depths)
+        return _verify(tokens, parents, logits=target_logits)
     batch, n = tokens.shape
     u = _uniforms(batch, n, tokens.device, generators, None)
     return _verify(
@@ -563,5 +543,4 @@ def verify_tree(
         top_k=top_k,
         top_p=top_p,
         uniforms=u,
-        depths=depths,
     )
