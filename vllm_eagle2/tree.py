@@ -11,7 +11,8 @@ each node's log-softmax, taken straight from the head's logits by
   confidences along the path), all ``topk**2`` children join the candidate pool and the
   next frontier is the *global* top-``topk`` of them;
 * after ``depth`` levels the whole pool (``topk + (depth - 1) * topk**2`` nodes) is
-  reranked and the ``num_tokens`` best nodes are kept.
+  reranked and the ``num_tokens`` best nodes are kept, best first: every prefix of the
+  result is the best tree of its size, so a budget can cut it anywhere.
 
 Ties always go to the node drafted first (shallower, then higher-ranked), which keeps
 the kept set ancestor-closed even for probability-1 children: a child's value never
@@ -65,17 +66,20 @@ _STATIC_RANK_DECAY_LOGP = -1.5
 
 @dataclass(frozen=True)
 class DraftTree:
-    """One draft tree per request, nodes in an order where parents precede children.
+    """One draft tree per request, nodes best first (by the mode's key; ties to the node
+    drafted first), so parents precede children and every prefix is a tree.
 
     tokens:  [B, N] int64, the drafted token of each node.
     parents: [B, N] int64, -1 = child of the root, else the index (< own index) of the parent.
     depths:  [B, N] int64, 1 = child of the root.
+    ranks:   [B, N] int64, the node's rank (0 = likeliest) among its parent's drafted children.
     scores:  [B, N] float32, the node's value: draft log-probability of its whole path.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
+    ranks: torch.Tensor
     scores: torch.Tensor
 
     @property
@@ -241,12 +245,15 @@ def build_dynamic_tree(
     frontier_flag = (
         _frontier_flags(chosen_per_level, batch, k, depth, device) if mode == "no_rerank" else None
     )
-    kept = _rerank(mode, pool_key, frontier_flag, num_tokens)  # [B, N] pool indices, ascending
+    kept = _rerank(mode, pool_key, frontier_flag, num_tokens)  # [B, N] pool indices, best first
     return DraftTree(
         tokens=pool_tokens.gather(1, kept),
         parents=_kept_parents(kept, chosen_per_level[: depth - 2], k, pool_value.shape[1]),
         # Pool index p is at depth 1 if p < k, else 2 + (p - k) // k^2; one formula for both.
         depths=(kept + (kk - k)).div(kk, rounding_mode="floor") + 1,
+        # Level 1 is the root's k children in rank order, later levels k children per frontier
+        # slot; (p - k) mod k (a non-negative remainder) is the rank for both.
+        ranks=(kept - k).remainder(k),
         scores=pool_value.gather(1, kept),
     )
 
@@ -297,7 +304,11 @@ def _frontier_flags(
 def _rerank(
     mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor | None, num_tokens: int
 ) -> torch.Tensor:
-    """Pool indices [B, num_tokens] of the kept nodes, sorted ascending (level order)."""
+    """Pool indices [B, num_tokens] of the kept nodes, best key first.
+
+    A child's key never exceeds its parent's and ties go to the lower pool index, which the
+    parent always has: the order is parents-first and each prefix is ancestor-closed.
+    """
     if frontier_flag is not None:
         # Frontier nodes first, in drafting order; leftover budget to the best of the rest.
         pool = pool_key.shape[1]
@@ -305,4 +316,4 @@ def _rerank(
         key = torch.where(frontier_flag, 2.0 * pool - order, pool_key.double())
     else:
         key = pool_key
-    return _stable_topk(key, num_tokens).sort(dim=-1).values
+    return _stable_topk(key, num_tokens)
