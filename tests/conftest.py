@@ -23,7 +23,8 @@ def run_llm(
 ) -> tuple[list[Any], dict[str, Any]]:
     """Generate with a fresh engine (float32, eager), shut it down; returns outputs and metrics.
 
-    metrics maps counter names to values and vector names to lists.
+    metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
+    holds the adaptive budget's counters (None with the fixed budget).
     """
     from vllm import LLM
 
@@ -43,6 +44,8 @@ def run_llm(
         metrics: dict[str, Any] = {}
         for m in llm.get_metrics():
             metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
+        if spec is not None and spec.get("method") == "eagle2":
+            metrics["eagle2_budget"] = llm.collective_rpc("eagle2_budget_summary")[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

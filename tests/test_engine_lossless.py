@@ -16,6 +16,7 @@ import pytest
 from conftest import acceptance_length, run_llm
 
 from vllm_eagle2 import draft_vocab
+from vllm_eagle2.adaptive import COSTS_ENV
 from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
@@ -75,7 +76,8 @@ def reference(models, prompts) -> dict[str, list[list[int]]]:
 
 
 def eagle2(head: Path, **knobs) -> dict:
-    return {"method": "eagle2", "model": str(head), **knobs}
+    """The fixed tree unless ``budget`` is given: these tests pin the trees they check."""
+    return {"method": "eagle2", "model": str(head), "budget": "fixed", **knobs}
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,56 @@ def test_chain_drafts_exactly_what_vllms_eagle_drafts(models, prompts, head):
     expected = accepted_per_position(vllm_eagle)
     assert 0 < expected[-1] < expected[0]  # partly accepted chains
     assert accepted_per_position(chain) == expected
+
+
+# --- the adaptive budget ---------------------------------------------------------------------------
+#: Fixed step costs (seconds = a + b * tokens) under which a few nodes per request pay. The budget
+#: then sizes every step's trees from the acceptance it has seen: sizes differ step to step and
+#: request to request, deterministically (no timing in the decisions).
+STEP_COSTS = '{"target": [0.02, 0.0005], "level": [0.001, 0.0001], "overhead": 0.002}'
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(num_speculative_tokens=12, depth=4, topk=3),
+        dict(num_speculative_tokens=30, depth=6, topk=5),
+        dict(num_speculative_tokens=12, depth=4, topk=3, tree="static"),
+        dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain"),
+    ],
+    ids=["m12-d4-k3", "m30-d6-k5", "static", "chain"],
+)
+def test_greedy_with_the_adaptive_budget_equals_no_speculation(
+    models, prompts, reference, knobs, monkeypatch
+):
+    monkeypatch.setenv(COSTS_ENV, STEP_COSTS)
+    spec = eagle2(models["noisy"], budget="adaptive", **knobs)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    budget = metrics["eagle2_budget"]
+    assert len(budget["drafts_per_step"]) >= 3, budget  # trees of several sizes, step to step
+    assert len([n for n in budget["drafts_per_request"] if n != "0"]) >= 2, budget  # and per request
+
+
+def test_adaptive_budget_drafts_nothing_when_verification_costs_too_much(
+    models, prompts, reference, monkeypatch
+):
+    monkeypatch.setenv(COSTS_ENV, '{"target": [0.0, 1.0], "level": [0.001, 0.0], "overhead": 0.0}')
+    spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    budget = metrics["eagle2_budget"]
+    assert budget["steps"] > 0 and budget["steps_without_drafts"] == budget["steps"]
+    assert metrics["vllm:spec_decode_num_drafts"] == 0
+
+
+def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, prompts, reference):
+    # The defaults a new user gets: m=60, depth 6, topk 10 as upper bounds of the adaptive
+    # budget, its costs calibrated on this machine at engine start.
+    spec = {"method": "eagle2", "model": str(models["noisy"])}
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    assert metrics["eagle2_budget"]["steps"] > 0
 
 
 def test_greedy_on_a_random_target_equals_no_speculation(models, prompts):

@@ -35,6 +35,7 @@ def make_llm(target, spec):
 def engines(tmp_path_factory):
     target, head = build_pair(tmp_path_factory.mktemp("request_models"), "partial", seed=0)
     spec = {"method": "eagle2", "model": str(head), "num_speculative_tokens": 12, "depth": 4, "topk": 3}
+    spec["budget"] = "fixed"  # every step drafts: the request features meet trees every step
     llms = {"eagle2": make_llm(target, spec), "plain": make_llm(target, None)}
     yield llms
     for llm in llms.values():

@@ -171,6 +171,12 @@ def test_config_carries_the_tree_settings(config):
     assert config.speculative_config.num_speculative_tokens == 12
 
 
+def test_the_budget_is_adaptive_by_default(config, models):
+    assert config.speculative_config.eagle2.budget == "adaptive"
+    fixed = engine_config(models["target"], eagle2(models["head"], **KNOBS, budget="fixed"))
+    assert fixed.speculative_config.eagle2.budget == "fixed"
+
+
 def test_config_reads_the_draft_vocabulary_from_the_head(models):
     config = engine_config(models["target"], eagle2(models["ranked_head"], **KNOBS, draft_vocab_size=40))
     settings = config.speculative_config.eagle2
@@ -205,6 +211,11 @@ INVALID = {
         dict(num_speculative_tokens=7, depth=2, topk=2),
         "head",
         ["speculative_config.num_speculative_tokens", "[1, 6]", "7"],
+    ),
+    "unknown budget": (
+        dict(KNOBS, budget="greedy"),
+        "head",
+        ["speculative_config.budget", "greedy", "adaptive", "fixed"],
     ),
     "unknown tree mode": (
         dict(KNOBS, tree="bushy"),

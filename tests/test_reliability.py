@@ -50,7 +50,7 @@ import pytest
 
 from vllm_eagle2.tiny_models import build_pair
 
-SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3}
+SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
 SERVER_MAX_MODEL_LEN = 512
 
 # --- preemption: 8 requests of ~100 prompt + 100 generated tokens; the cache holds ~3 of them -------

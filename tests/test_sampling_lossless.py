@@ -20,12 +20,15 @@ import torch
 from conftest import run_llm
 from scipy.stats import chi2_contingency
 
+from vllm_eagle2.adaptive import COSTS_ENV
 from vllm_eagle2.tiny_models import build_pair
 
 NUM_SAMPLES = 400
 MAX_TOKENS = 4
 PROMPT = {"prompt_token_ids": [17, 250, 99, 31, 402, 77, 8, 190]}
 SPEC = dict(num_speculative_tokens=12, depth=4, topk=3)
+#: Step costs (seconds = a + b * tokens) that make a few nodes per request pay.
+STEP_COSTS = '{"target": [0.02, 0.0005], "level": [0.001, 0.0001], "overhead": 0.002}'
 
 
 def sampling_params():
@@ -62,9 +65,14 @@ def reference(pair) -> np.ndarray:
     return sample(pair[0], None)
 
 
-def test_sampled_tokens_follow_the_target_distribution(pair, reference):
+@pytest.mark.parametrize("budget", ["fixed", "adaptive"])
+def test_sampled_tokens_follow_the_target_distribution(pair, reference, budget, monkeypatch):
+    # The adaptive budget on fixed costs under which trees are worth a few nodes each, so that
+    # requests and steps carry trees of different sizes (and some none).
+    monkeypatch.setenv(COSTS_ENV, STEP_COSTS)
     target, head = pair
-    spec_samples = sample(target, {"method": "eagle2", "model": str(head), **SPEC})
+    spec = {"method": "eagle2", "model": str(head), **SPEC, "budget": budget}
+    spec_samples = sample(target, spec)
     pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) > 1e-3, pvalues
 
@@ -89,6 +97,6 @@ def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
 
     monkeypatch.setattr(runner, "verify_tree", sharpened)
     target, head = pair
-    biased = sample(target, {"method": "eagle2", "model": str(head), **SPEC})
+    biased = sample(target, {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"})
     pvalues = [homogeneity_pvalue(reference[:, j], biased[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) < 1e-4, pvalues

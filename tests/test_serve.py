@@ -29,7 +29,7 @@ from conftest import run_llm
 
 from vllm_eagle2.tiny_models import build_pair
 
-SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3}
+SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
 MAX_TOKENS = 32
 COMPLETION_PROMPTS = ["import json", "def add(a, b):"]
 CHAT = [

@@ -1,7 +1,7 @@
 """The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
 
 Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m,
-"depth": 6, "topk": 10, "tree": "dynamic", "draft_vocab_size": 0}``. vLLM's own config
+"depth": 6, "topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": 0}``. vLLM's own config
 class rejects unknown keys, so the plugin pops the eagle2 keys here, validates everything
 that can be checked without weights, and hands the rest to vLLM.
 """
@@ -21,7 +21,12 @@ DEFAULT_DEPTH = 6
 DEFAULT_TOPK = 10
 DEFAULT_NUM_TOKENS = 60
 DEFAULT_TREE = "dynamic"
-EXTRA_KEYS = ("depth", "topk", "tree", "draft_vocab_size")
+#: ``adaptive``: each step drafts and verifies what pays on this machine at this batch size,
+#: with m, depth and topk as upper bounds (:mod:`vllm_eagle2.adaptive`); ``fixed``: always
+#: the full (m, depth, topk) tree.
+BUDGETS = ("adaptive", "fixed")
+DEFAULT_BUDGET = "adaptive"
+EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size")
 
 
 class Eagle2ConfigError(ValueError):
@@ -35,6 +40,7 @@ class Eagle2Settings:
     num_tokens: tree nodes verified per step (the paper's m, vLLM's num_speculative_tokens).
     depth: draft levels; topk: children per expanded node and frontier width.
     tree: one of :data:`vllm_eagle2.tree.TREE_MODES`.
+    budget: one of :data:`BUDGETS`; with ``adaptive`` the three sizes above are upper bounds.
     draft_vocab_size: draft from the head's N most frequent tokens (0: the whole vocabulary),
     see :mod:`vllm_eagle2.draft_vocab`; draft_vocab_ids: those N token ids, read from the
     head folder by the plugin (:func:`check_draft_vocab`).
@@ -44,6 +50,7 @@ class Eagle2Settings:
     depth: int = DEFAULT_DEPTH
     topk: int = DEFAULT_TOPK
     tree: str = DEFAULT_TREE
+    budget: str = DEFAULT_BUDGET
     draft_vocab_size: int = 0
     draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -73,6 +80,11 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
         raise Eagle2ConfigError(
             f"speculative_config.tree must be one of {', '.join(TREE_MODES)}; got {tree!r}"
         )
+    budget = spec.get("budget", DEFAULT_BUDGET)
+    if budget not in BUDGETS:
+        raise Eagle2ConfigError(
+            f"speculative_config.budget must be one of {', '.join(BUDGETS)}; got {budget!r}"
+        )
     depth = _int_field("depth", spec.get("depth", DEFAULT_DEPTH), 1, 64)
     topk = _int_field("topk", spec.get("topk", DEFAULT_TOPK), 1, 64)
     raw_m = spec.get("num_speculative_tokens")
@@ -91,7 +103,12 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
             f"got {draft_vocab_size}"
         )
     return Eagle2Settings(
-        num_tokens=num_tokens, depth=depth, topk=topk, tree=tree, draft_vocab_size=draft_vocab_size
+        num_tokens=num_tokens,
+        depth=depth,
+        topk=topk,
+        tree=tree,
+        budget=budget,
+        draft_vocab_size=draft_vocab_size,
     )
 
 

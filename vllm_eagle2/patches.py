@@ -15,10 +15,15 @@ What is patched (vLLM 0.32, file:function):
   full CUDA graphs (they would replay causal attention for tree rows).
 * ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
   drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
-  masks after ``_prepare_inputs``; tree verification instead of the rejection sampler.
+  masks after ``_prepare_inputs``; tree verification instead of the rejection sampler;
+  the adaptive budget's step timer starts in ``_prepare_inputs``.
   Also, for every engine (eagle2 or not): a seeded request whose prefill chunk is discarded
   keeps its CPU generator untouched (vLLM rewinds it with ``set_offset``, which only CUDA
   generators have: a seeded request with a chunked prefill crashed vLLM's CPU build).
+* ``v1/worker/gpu_worker.py`` Worker and ``v1/worker/cpu_worker.py`` CPUWorker
+  ``compile_or_warm_up_model``: with eagle2's adaptive budget, after the warm-up, the
+  drafter times the target and one draft level (the budget's start-up calibration); and a
+  method ``eagle2_budget_summary`` for ``LLM.collective_rpc``, the budget's counters.
 * ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
   by the "vec" layout, which the tree attention reads.
 * ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
@@ -73,6 +78,7 @@ def apply() -> bool:
         return False
     _patch_config()
     _patch_runner()
+    _patch_workers()
     _patch_cpu_attention()
     _patch_cpu_sampling_expansion()
     _state["applied"] = True
@@ -255,8 +261,10 @@ def _patch_runner() -> None:
 
     prepare_inputs = GPUModelRunner._prepare_inputs
 
-    def _prepare_inputs(self, *args, **kwargs):
-        out = prepare_inputs(self, *args, **kwargs)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if _is_eagle2(self) and self.drafter.budget is not None:
+            self.drafter.budget.step_started(scheduler_output.total_num_scheduled_tokens)
+        out = prepare_inputs(self, scheduler_output, *args, **kwargs)
         if _is_eagle2(self):
             tree_runner.prepare_tree_verification(self, out[1])
         return out
@@ -301,6 +309,35 @@ def _patch_runner() -> None:
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.sample_tokens = _sample_tokens
+
+
+def _patch_workers() -> None:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    for cls in (Worker, CPUWorker):
+        warm_up = cls.compile_or_warm_up_model
+
+        def compile_or_warm_up_model(self, *args, _warm_up=warm_up, **kwargs):
+            out = _warm_up(self, *args, **kwargs)
+            drafter = getattr(self.model_runner, "drafter", None)
+            if isinstance(drafter, Eagle2Proposer):
+                drafter.calibrate_budget(self.model_runner)
+            return out
+
+        cls.compile_or_warm_up_model = compile_or_warm_up_model
+        cls.eagle2_budget_summary = _budget_summary
+
+
+def _budget_summary(worker: Any) -> dict[str, Any] | None:
+    """The adaptive budget's counters, for ``LLM.collective_rpc("eagle2_budget_summary")``.
+
+    None when the engine does not run eagle2 with the adaptive budget.
+    """
+    budget = getattr(getattr(worker.model_runner, "drafter", None), "budget", None)
+    return None if budget is None else budget.summary()
 
 
 def _discarded_cpu_generator_rows(runner: Any) -> list[int]:

@@ -10,13 +10,19 @@ One step of drafting, for every request of the batch at once:
    level L sits at position ``root + L``; its draft KV is written past the request's end
    (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
    ancestors, through the tree side channel of :mod:`vllm_eagle2.attention`.
-3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts; the tree
-   (tokens and parents) is kept in :class:`TreeStore` for the verifier of the next step.
+3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts, best
+   first; the tree is kept in :class:`TreeStore` for the verifier of the next step.
+
+With the adaptive budget (the default) the settings are upper bounds: before step 2 the
+:class:`~vllm_eagle2.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
+at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
+to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -24,9 +30,11 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2 import attention
+from vllm_eagle2.adaptive import AdaptiveBudget
+from vllm_eagle2.budget import DraftPlan
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.draft_vocab import DraftVocab
-from vllm_eagle2.kernels import pack_tree_mask
+from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
 from vllm_eagle2.tree import build_dynamic_tree
 
 _PAD_SLOT = -1
@@ -61,12 +69,15 @@ class TreeStore:
     """The trees proposed last step, for the verifier of this step.
 
     req_ids: request ids, in the batch order of the proposing step.
-    tokens / parents: [B, N] int64 (see :class:`vllm_eagle2.tree.DraftTree`).
+    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32 (see
+    :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
     """
 
     req_ids: list[str]
     tokens: torch.Tensor
     parents: torch.Tensor
+    ranks: torch.Tensor
+    scores: torch.Tensor
 
 
 class Eagle2Proposer(EagleProposer):
@@ -84,6 +95,23 @@ class Eagle2Proposer(EagleProposer):
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
         self.draft_vocab: DraftVocab | None = None
+        self._calibrating = False
+        self.budget: AdaptiveBudget | None = None
+        s = self.settings
+        if s.budget == "adaptive":
+            sched = vllm_config.scheduler_config
+            self.budget = AdaptiveBudget(
+                depth=s.depth,
+                topk=1 if s.tree == "chain" else s.topk,
+                max_nodes=s.nodes_per_step,
+                chain=s.tree == "chain",
+                max_batch=sched.max_num_seqs,
+                max_tokens=sched.max_num_batched_tokens,
+                device=device,
+            )
+        self._full_plan = DraftPlan(
+            depth=s.depth, topk=s.topk, num_tokens=s.num_tokens, per_request=s.nodes_per_step, rate=0.0
+        )
 
     # -- model ---------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -120,6 +148,8 @@ class Eagle2Proposer(EagleProposer):
         return draft_index if self.draft_vocab is None else self.draft_vocab.token_ids(draft_index)
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        if self._calibrating:
+            return  # the budget's calibration times the target alone
         # Profiling runs one pass per draft level, not one per verified node.
         saved = self.num_speculative_tokens
         self.num_speculative_tokens = min(saved, self.settings.depth)
@@ -127,6 +157,45 @@ class Eagle2Proposer(EagleProposer):
             super().dummy_run(num_tokens, *args, **kwargs)
         finally:
             self.num_speculative_tokens = saved
+
+    def calibrate_budget(self, runner: Any) -> None:
+        """Time the target and one draft level for the adaptive budget (at engine start)."""
+        if self.budget is None:
+            return
+        limit = runner.scheduler_config.max_num_batched_tokens
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+        def timed(fn: Any) -> float:
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start
+
+        def time_target(tokens: int) -> float:
+            self._calibrating = True
+            try:
+                return timed(lambda: runner._dummy_run(min(tokens, limit), skip_eplb=True))
+            finally:
+                self._calibrating = False
+
+        def time_level(rows: int) -> float:
+            rows = min(rows, limit)
+            hidden = torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+            saved = self.num_speculative_tokens
+            self.num_speculative_tokens = 1
+
+            def level() -> None:
+                EagleProposer.dummy_run(self, rows)
+                vocab_topk(self._draft_logits(hidden), self.budget.topk)
+
+            try:
+                with torch.inference_mode():
+                    return timed(level)
+            finally:
+                self.num_speculative_tokens = saved
+
+        self.budget.calibrate(time_target, time_level)
 
     # -- drafting --------------------------------------------------------------------------
     def _eligible_rows(self, req_ids: list[str]) -> list[bool]:
@@ -156,10 +225,24 @@ class Eagle2Proposer(EagleProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
-        """Draft one tree per request; returns each request's draft tokens (parents first)."""
+        """Draft one tree per request; returns each request's draft tokens (best first)."""
         attention.set_tree_batch(None)
+        budget = self.budget
         cad = common_attn_metadata
         batch = cad.batch_size()
+        plan = self._full_plan
+        if budget is not None:
+            budget.target_done()
+            plan = budget.plan(batch)
+            if not plan.drafts or num_speculative_tokens == 0:
+                # Not even the catch-up pass: a step without drafts costs what a step without
+                # speculation costs. The head's KV misses these tokens; should the batch shrink
+                # and drafting resume, those requests draft from a context with gaps (still
+                # lossless), and the acceptance statistics price that in.
+                self.trees = None
+                budget.count_step(plan, [0] * batch)
+                return [[] for _ in range(batch)]
+            budget.level_started(batch)  # the root level, its catch-up pass included
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
@@ -181,21 +264,38 @@ class Eagle2Proposer(EagleProposer):
         tree = build_dynamic_tree(
             root_logits,
             expander,
-            depth=self.settings.depth,
-            topk=self.settings.topk,
-            num_tokens=self.settings.num_tokens,
+            depth=plan.depth,
+            topk=plan.topk,
+            num_tokens=plan.num_tokens,
             mode=self.settings.tree,
         )
         attention.set_tree_batch(None)
         tokens = self._token_ids(tree.tokens)
-        self.trees = TreeStore(req_ids=req_ids, tokens=tokens, parents=tree.parents)
+        self.trees = TreeStore(
+            req_ids=req_ids,
+            tokens=tokens,
+            parents=tree.parents,
+            ranks=tree.ranks,
+            scores=tree.scores,
+        )
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
-        # vLLM wants host lists: one transfer brings the drafts and the fit flags together.
+        # vLLM wants host lists: one transfer brings the drafts and their counts together.
         n_out = min(num_speculative_tokens, tree.num_nodes)
-        rows = torch.cat([tokens[:, :n_out], expander.fits.unsqueeze(1).long()], dim=1).tolist()
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
-        return [row[:-1] if row[-1] and keep else [] for row, keep in zip(rows, eligible)]
+        allowed = expander.fits & torch.tensor(eligible).to(expander.fits.device, non_blocking=True)
+        if budget is None:
+            counts = allowed.long() * n_out
+        else:
+            budget.drafting_done()
+            counts = budget.allocate(plan, tree.scores[:, :n_out], tree.depths[:, :n_out], allowed)
+            budget.copy_stats()
+        rows = torch.cat([tokens[:, :n_out], counts.unsqueeze(1)], dim=1).tolist()
+        drafts = [row[: row[-1]] for row in rows]
+        if budget is not None:
+            budget.after_sync()
+            budget.count_step(plan, [len(d) for d in drafts])
+        return drafts
 
     def _run_head(
         self,
@@ -235,8 +335,8 @@ class _TreeExpander:
         self.p = proposer
         self.cad = cad
         self.root_pos = root_pos  # [B]
-        width = 1 if proposer.settings.tree == "chain" else proposer.settings.topk
-        self.region_capacity = (proposer.settings.depth - 1) * width
+        # Sized for the configured tree: an adaptive step may draft a narrower or shallower one.
+        self.region_capacity = proposer.settings.draft_kv_slots
         # Draft KV of the tree goes right past the request's end. A request too close to
         # max_model_len gets no drafts: its writes are dropped (padding slots) and its
         # reads kept inside the block table.
@@ -259,6 +359,8 @@ class _TreeExpander:
     def __call__(self, tokens: torch.Tensor, prev_slots: torch.Tensor, level: int) -> torch.Tensor:
         batch, k = tokens.shape
         device = tokens.device
+        if self.p.budget is not None:
+            self.p.budget.level_started(batch * k)
         # Hidden state fed with each node: its parent's head output.
         if level == 2:
             parent_hidden = self.parent_hidden.expand(batch, k, -1).contiguous()

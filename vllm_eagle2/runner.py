@@ -33,12 +33,15 @@ class VerifyStep:
 
     tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
     num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
+    depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     num_drafts: torch.Tensor
     row_start: torch.Tensor
+    depths: torch.Tensor
+    trees: StoredTrees
 
 
 def _padded_drafts(
@@ -63,28 +66,51 @@ def _padded_drafts(
     return tokens, valid, n
 
 
-def _stored_parents(
-    drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor
-) -> torch.Tensor:
-    """Parents [B, N] of each request's drafts: its stored tree, else a chain."""
+@dataclass
+class StoredTrees:
+    """The drafter's trees matched to this step's drafts, B = requests, N = draft width.
+
+    parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
+    known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
+    ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
+    """
+
+    parents: torch.Tensor
+    known: torch.Tensor
+    ranks: torch.Tensor
+    scores: torch.Tensor
+
+
+def _stored_trees(drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor) -> StoredTrees:
+    """Each request's drafts as its stored tree, else as a chain."""
     batch, width = tokens.shape
-    col = torch.arange(width, device=tokens.device)
-    parents = (col - 1).expand(batch, width).clone()
+    device = tokens.device
+    col = torch.arange(width, device=device)
+    chain = (col - 1).expand(batch, width)
     store = getattr(drafter, "trees", None)
     if store is None or not req_ids:
-        return torch.where(valid, parents, -1)
+        zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
+        return StoredTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float())
     row_of = {rid: i for i, rid in enumerate(store.req_ids)}
-    src = torch.tensor([row_of.get(rid, -1) for rid in req_ids], dtype=torch.long, device=tokens.device)
-    stored_width = store.tokens.shape[1]
-    take = min(width, stored_width)
-    st_tokens = torch.full_like(tokens, -1)
-    st_parents = parents.clone()
-    st_tokens[:, :take] = store.tokens[src.clamp(min=0), :take]
-    st_parents[:, :take] = store.parents[src.clamp(min=0), :take]
-    # A prefix of a parents-first tree is a tree: the scheduler may have cut it short.
-    same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= stored_width)
-    parents = torch.where(same.unsqueeze(1), st_parents, parents)
-    return torch.where(valid, parents, -1)
+    src = torch.tensor([row_of.get(rid, -1) for rid in req_ids], dtype=torch.long, device=device)
+    take = min(width, store.tokens.shape[1])
+
+    def stored(field: torch.Tensor, fill: float) -> torch.Tensor:
+        out = torch.full((batch, width), fill, dtype=field.dtype, device=device)
+        out[:, :take] = field[src.clamp(min=0), :take]
+        return out
+
+    st_tokens = stored(store.tokens, -1)
+    # A prefix of a best-first tree is a tree: the budget or the scheduler may have cut it short.
+    same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= store.tokens.shape[1])
+    known = same.unsqueeze(1) & valid
+    parents = torch.where(known, stored(store.parents, -1), chain)
+    return StoredTrees(
+        parents=torch.where(valid, parents, -1),
+        known=known,
+        ranks=stored(store.ranks, 0),
+        scores=stored(store.scores, 0.0),
+    )
 
 
 def _rows_to_recompute(depths: torch.Tensor) -> torch.Tensor:
@@ -110,7 +136,8 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     device = runner.positions.device
     batch = len(meta.num_draft_tokens)
     tokens, valid, n = _padded_drafts(meta, device, runner.num_spec_tokens)
-    parents = _stored_parents(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid)
+    trees = _stored_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid)
+    parents = trees.parents
     row_start = runner.query_start_loc.gpu[:batch].to(device).long()
     root_pos = runner.positions[row_start]
 
@@ -157,7 +184,14 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
             keep_kv=True,
         )
     )
-    runner._eagle2_step = VerifyStep(tokens=tokens, parents=parents, num_drafts=n, row_start=row_start)
+    runner._eagle2_step = VerifyStep(
+        tokens=tokens,
+        parents=parents,
+        num_drafts=n,
+        row_start=row_start,
+        depths=masks.depths[:, 1:],
+        trees=trees,
+    )
 
 
 def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
@@ -210,6 +244,10 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
         )
         logprobs = LogprobsTensors(*logprobs[:3])
     _move_accepted_path(runner, step, accepted, num_accepted)
+    budget = getattr(runner.drafter, "budget", None)
+    if budget is not None:
+        tree = step.trees
+        budget.record_verification(step.parents, step.depths, tree.ranks, tree.scores, tree.known, accepted)
     attention.set_tree_batch(None)
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
 

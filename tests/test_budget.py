@@ -1,0 +1,226 @@
+"""The adaptive budget's chooser: cost curves, acceptance statistics, plans and allocations.
+
+Pure functions on synthetic costs and acceptance curves; no engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_eagle2.budget import (
+    AcceptanceModel,
+    CostCurve,
+    allocate_nodes,
+    expected_accepted,
+    plan_draft,
+)
+
+
+def linear_curve(max_tokens: int, fixed: float, per_token: float) -> CostCurve:
+    curve = CostCurve(max_tokens)
+    for knot in curve.knots:
+        curve.set(int(knot), fixed + per_token * knot)
+    return curve
+
+
+def acceptance(top1: float = 0.7, decay: float = 0.4, depth: int = 6, topk: int = 10) -> np.ndarray:
+    return np.broadcast_to(top1 * decay ** np.arange(topk), (depth, topk)).copy()
+
+
+# --- cost curves -------------------------------------------------------------------------------
+
+
+def test_cost_curve_interpolates_between_knots_and_extends_past_the_last():
+    curve = CostCurve(8)
+    curve.set(1, 1.0)
+    curve.set(8, 8.0)  # 2 and 4 unset: filled on the line through 1 and 8
+    assert curve(4) == pytest.approx(4.0)
+    assert curve(6) == pytest.approx(6.0)
+    assert curve(16) == pytest.approx(16.0)
+
+
+def test_cost_curve_with_one_knot_is_proportional():
+    curve = CostCurve(64)
+    curve.set(4, 2.0)
+    assert curve(2) == pytest.approx(2.0)  # flat below the only knot
+    assert curve(64) == pytest.approx(32.0)
+
+
+def test_cost_curve_observations_converge_to_the_measured_cost():
+    curve = linear_curve(64, 1.0, 0.0)
+    for _ in range(200):
+        curve.observe(16, 3.0)
+    assert curve(16) == pytest.approx(3.0, rel=1e-3)
+
+
+def test_cost_curve_clips_one_outlier():
+    curve = linear_curve(64, 1.0, 0.0)
+    curve.observe(16, 1000.0)
+    assert curve(16) < 1.5  # one step of the error clipped to half the prediction
+
+
+def test_cost_curve_rejects_a_non_knot():
+    with pytest.raises(ValueError, match="knot"):
+        CostCurve(64).set(3, 1.0)
+
+
+# --- acceptance ---------------------------------------------------------------------------------
+
+
+def test_acceptance_model_starts_at_its_prior_and_follows_the_counts():
+    model = AcceptanceModel(depth=2, topk=3)
+    assert model.p[0].tolist() == pytest.approx([0.5, 0.25, 0.125])
+    model.update(np.full((2, 3), 1000.0), np.full((2, 3), 900.0))
+    assert model.p == pytest.approx(np.full((2, 3), 0.9), abs=0.01)
+
+
+def test_expected_accepted_of_a_chain_is_the_sum_of_path_products():
+    p = acceptance(0.8, 0.5, depth=3, topk=2)
+    e = expected_accepted(p, depth=3, topk=1, max_nodes=3)
+    assert e.tolist() == pytest.approx([0.0, 0.8, 0.8 + 0.64, 0.8 + 0.64 + 0.512])
+
+
+def test_expected_accepted_is_concave_and_flat_past_the_pool():
+    e = expected_accepted(acceptance(), depth=3, topk=2, max_nodes=20)  # pool of 10 nodes
+    gains = np.diff(e)
+    assert (gains[:-1] >= gains[1:] - 1e-12).all()
+    assert (gains[10:] == 0).all() and (gains[:10] > 0).all()
+
+
+# --- plans --------------------------------------------------------------------------------------
+
+
+def plan(batch: int, target: CostCurve, level: CostCurve, overhead: float = 0.0, **kw):
+    kw = {"max_depth": 6, "max_topk": 10, "max_nodes": 60, "acceptance": acceptance(), **kw}
+    return plan_draft(batch, target=target, level=level, overhead=overhead, **kw)
+
+
+def test_plan_is_no_drafts_when_verification_is_expensive():
+    # Each verified token costs as much as the whole step: drafts never pay.
+    chosen = plan(4, linear_curve(4096, 0.0, 1.0), linear_curve(64, 0.0, 0.001))
+    assert not chosen.drafts and chosen.num_tokens == 0
+
+
+def test_plan_is_the_full_tree_when_verification_and_drafting_are_free():
+    chosen = plan(1, linear_curve(4096, 1.0, 0.0), linear_curve(64, 0.0, 0.0))
+    assert (chosen.depth, chosen.topk, chosen.per_request) == (6, 10, 60)
+
+
+def test_plan_shrinks_as_the_batch_grows():
+    # Weight-bound target: a pass costs 10 ms plus 0.2 ms per token; a draft level 1 ms.
+    target, level = linear_curve(4096, 0.010, 0.0002), linear_curve(640, 0.001, 0.00002)
+    sizes = [plan(b, target, level, overhead=0.002).per_request for b in (1, 4, 16, 64)]
+    assert sizes[0] > 0
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+
+
+def test_plan_never_exceeds_the_upper_bounds():
+    chosen = plan(
+        1, linear_curve(4096, 1.0, 0.0), linear_curve(64, 0.0, 0.0), max_depth=3, max_topk=2, max_nodes=5
+    )
+    assert chosen.depth <= 3 and chosen.topk <= 2 and chosen.num_tokens <= 5
+
+
+def test_chain_plan_keeps_every_node_of_its_depth():
+    chosen = plan(1, linear_curve(4096, 0.01, 0.001), linear_curve(64, 0.001, 0.0), chain_only=True)
+    assert chosen.topk == 1 and chosen.num_tokens == chosen.depth == chosen.per_request > 0
+
+
+# --- allocation ---------------------------------------------------------------------------------
+
+
+def allocate(values, depths=None, allowed=None, correction=None, step_seconds=None):
+    values = torch.tensor(values, dtype=torch.float32).log()
+    batch, n = values.shape
+    depths = torch.ones(batch, n, dtype=torch.long) if depths is None else torch.tensor(depths)
+    allowed = torch.ones(batch, dtype=torch.bool) if allowed is None else torch.tensor(allowed)
+    correction = torch.ones(8) if correction is None else torch.tensor(correction)
+    if step_seconds is None:
+        step_seconds = 1.0 + 0.3 * torch.arange(batch * n + 1)
+    return allocate_nodes(values, depths, allowed, correction, step_seconds).tolist()
+
+
+def test_allocation_keeps_every_node_when_verification_is_free():
+    assert allocate([[0.9, 0.1, 0.01], [0.5, 0.4, 0.3]], step_seconds=torch.ones(7)) == [3, 3]
+
+
+def test_allocation_sends_nothing_when_verification_is_expensive():
+    assert allocate([[0.9, 0.8], [0.9, 0.8]], step_seconds=1.0 + 10.0 * torch.arange(5)) == [0, 0]
+
+
+def test_allocation_splits_one_budget_by_path_value():
+    # A node costs 0.1 of a step's fixed cost: it pays while its acceptance exceeds the tokens
+    # per second times that cost (0.36 here), whichever request it belongs to.
+    steps = 1.0 + 0.1 * torch.arange(9)
+    assert allocate([[0.95, 0.9, 0.85, 0.05], [0.6, 0.05, 0.01, 0.01]], step_seconds=steps) == [3, 1]
+
+
+def test_allocation_keeps_prefixes_when_corrected_values_rise_with_depth():
+    # Depth 2 is accepted 4x more often than its values say; its nodes still follow their parent.
+    counts = allocate(
+        [[0.3, 0.25]], depths=[[1, 2]], correction=[1.0, 1.0, 4.0], step_seconds=torch.tensor([1.0, 1.1, 1.2])
+    )
+    assert counts == [2]
+
+
+def test_allocation_gives_nothing_to_requests_that_may_not_draft():
+    assert allocate([[0.9, 0.9], [0.9, 0.9]], allowed=[True, False], step_seconds=torch.ones(5)) == [2, 0]
+
+
+def test_allocation_is_sync_free_and_fixed_shape():
+    from aten_ops import AtenOps
+
+    values = torch.rand(4, 6).log()
+    depths, allowed = torch.ones(4, 6, dtype=torch.long), torch.ones(4, dtype=torch.bool)
+    args = (depths, allowed, torch.ones(8), torch.ones(25))
+    with AtenOps() as ops:  # raises on a host sync
+        allocate_nodes(values, *args)
+    assert ops.total <= 24
+
+
+def test_allocation_values_are_probabilities_at_most_one():
+    # A correction above 1 must not make a node worth more than one token.
+    counts = allocate([[0.9]], correction=[1.0, 10.0], step_seconds=torch.tensor([1.0, 1.9]))
+    assert counts == [1]
+    counts = allocate([[0.9]], correction=[1.0, 10.0], step_seconds=torch.tensor([1.0, 2.1]))
+    assert counts == [0]
+
+
+# --- the engine's acceptance table --------------------------------------------------------------
+
+
+def test_verification_outcomes_land_in_the_acceptance_table():
+    from vllm_eagle2.adaptive import AdaptiveBudget
+
+    budget = AdaptiveBudget(
+        depth=3, topk=2, max_nodes=6, chain=False, max_batch=1, max_tokens=64, device=torch.device("cpu")
+    )
+    # Root -> node 0 (rank 0) -> node 2 (rank 0); root -> node 1 (rank 1) -> node 3 (rank 0).
+    parents = torch.tensor([[-1, -1, 0, 1]])
+    depths = torch.tensor([[1, 1, 2, 2]])
+    ranks = torch.tensor([[0, 1, 0, 0]])
+    values = torch.tensor([[0.8, 0.1, 0.4, 0.05]]).log()
+    known = torch.ones(1, 4, dtype=torch.bool)
+    accepted = torch.tensor([[0, -1, -1, -1]])  # node 0 accepted, node 2 rejected
+    budget.record_verification(parents, depths, ranks, values, known, accepted)
+    budget.copy_stats()
+    budget.after_sync()
+    # Trials: both depth-1 nodes (the root is always accepted), and node 2 (its parent was);
+    # node 3's parent was rejected, so it was never tried.
+    assert budget.acceptance.trials.tolist() == [[1, 1], [1, 0], [0, 0]]
+    assert budget.acceptance.accepts.tolist() == [[1, 0], [0, 0], [0, 0]]
+    # Per depth: 1 accepted against 0.9 of drafted probability at depth 1, 0 against 0.45 at depth 2.
+    assert budget.correction().tolist() == pytest.approx([1.0, 2 / 1.9, 1 / 1.45, 1.0])
+
+
+def test_observations_rescale_the_sizes_never_observed():
+    # Calibration priced every pass at a third of its real cost; the engine only ever runs
+    # 16-token passes, and the curve at 64 follows them.
+    curve = linear_curve(64, 0.01, 0.001)
+    for _ in range(100):
+        curve.observe(16, 3 * (0.01 + 0.001 * 16))
+    assert curve(16) == pytest.approx(3 * 0.026, rel=1e-3)
+    assert curve(64) == pytest.approx(3 * 0.074, rel=1e-3)
+    assert curve(2) == pytest.approx(3 * 0.012, rel=1e-3)

@@ -1,0 +1,330 @@
+"""The adaptive tree budget of one engine: measurements in, :mod:`vllm_eagle2.budget` decisions out.
+
+* **Costs.** At engine start :meth:`AdaptiveBudget.calibrate` times the target and one draft
+  level at 1, 2, 4, ... tokens (a few seconds at most: it stops doubling once a pass takes
+  longer than ``CALIBRATION_PASS_S``). While serving, every step's target pass, each draft
+  level and the rest of the step are timed and refine the curves. On CUDA the timings are
+  events, read once the step's one host sync has completed them.
+* **Acceptance.** The verifier adds each step's outcome to a small device table
+  (:meth:`record_verification`): per depth and sibling rank, trials and acceptances; per
+  depth, accepted nodes and the summed exp(path value) of the verified ones. It is copied to
+  the host with the drafter's own transfer, never with a sync of its own.
+* **Decisions.** :meth:`plan` (host, before drafting) and :meth:`allocate` (device, after).
+
+``VLLM_EAGLE2_STEP_COSTS='{"target": [a, b], "level": [a, b], "overhead": s}'`` replaces the
+measured costs by fixed linear ones (seconds = a + b * tokens): no calibration, no online
+updates. For tests and for what-if runs; the engine never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_eagle2.budget import AcceptanceModel, CostCurve, DraftPlan, allocate_nodes, plan_draft
+
+logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
+
+COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
+#: Calibration stops doubling a curve once one pass takes longer than this (seconds).
+CALIBRATION_PASS_S = 0.25
+#: Per verified step, older acceptance counts are multiplied by this (a memory of ~50 steps).
+DISCOUNT = 0.98
+#: Plans are cached per batch size and recomputed after this many steps.
+REPLAN_STEPS = 16
+LOG_INTERVAL_S = 10.0
+
+
+def _fixed_costs() -> dict[str, Any] | None:
+    raw = os.environ.get(COSTS_ENV)
+    if not raw:
+        return None
+    try:
+        costs = json.loads(raw)
+        for name in ("target", "level"):
+            a, b = costs[name]
+            costs[name] = (float(a), float(b))
+        costs["overhead"] = float(costs.get("overhead", 0.0))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f'{COSTS_ENV} must be JSON like {{"target": [a, b], "level": [a, b], "overhead": s}}; got {raw!r}'
+        ) from exc
+    return costs
+
+
+class _Clock:
+    """Durations on the host (CPU) or as CUDA events, resolved once the device reached them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[Any, Any, Callable[[float], None]]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def measure(self, start: Any, end: Any, sink: Callable[[float], None]) -> None:
+        """Call ``sink(seconds)`` for ``start -> end``, now on CPU, after :meth:`resolve` on CUDA."""
+        if self.cuda:
+            self.pending.append((start, end, sink))
+        else:
+            sink(end - start)
+
+    def resolve(self) -> None:
+        keep = []
+        for start, end, sink in self.pending:
+            if end.query():
+                sink(start.elapsed_time(end) / 1e3)
+            else:
+                keep.append((start, end, sink))
+        self.pending = keep[-256:]  # bounded, should the device never catch up
+
+
+class AdaptiveBudget:
+    """Cost curves, acceptance statistics and per-step decisions for one eagle2 drafter.
+
+    depth / topk / max_nodes: the user's upper bounds (``depth``, ``topk``,
+    ``num_speculative_tokens``); chain: the ``chain`` tree mode (trees of width 1 only).
+    """
+
+    def __init__(
+        self,
+        *,
+        depth: int,
+        topk: int,
+        max_nodes: int,
+        chain: bool,
+        max_batch: int,
+        max_tokens: int,
+        device: torch.device,
+    ) -> None:
+        self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
+        self.device = device
+        self.target = CostCurve(max_tokens)
+        self.level = CostCurve(max_batch * topk)
+        self.overhead = 0.0
+        self.acceptance = AcceptanceModel(depth, topk)
+        # [depth, 2 * topk + 2]: trials | accepts per (depth, rank), then per depth the summed
+        # exp(value) of verified nodes and their accepted count.
+        self.stats = torch.zeros(depth, 2 * topk + 2, device=device)
+        self._stats_host = torch.zeros_like(self.stats, device="cpu", pin_memory=device.type == "cuda")
+        self._stats_copied = False
+        self.clock = _Clock(device)
+        self.fixed = _fixed_costs()
+        if self.fixed is not None:
+            self._set_linear(self.target, *self.fixed["target"])
+            self._set_linear(self.level, *self.fixed["level"])
+            self.overhead = self.fixed["overhead"]
+        self._plans: dict[int, tuple[int, DraftPlan]] = {}
+        self._step = 0
+        self._step_host: float | None = None
+        self._step_mark: Any = None
+        self._step_tokens = 0
+        self._step_target = 0.0
+        self._step_draft = 0.0
+        self._levels: list[tuple[Any, int]] = []
+        # Metrics: steps, steps without drafts, drafts per step, plans chosen.
+        self.steps = 0
+        self.steps_without_drafts = 0
+        self.nodes_per_step: Counter[int] = Counter()
+        self.nodes_per_request: Counter[int] = Counter()
+        self.shapes: Counter[tuple[int, int]] = Counter()
+        self._logged_at = time.monotonic()
+
+    @staticmethod
+    def _set_linear(curve: CostCurve, a: float, b: float) -> None:
+        for knot in curve.knots:
+            curve.set(int(knot), a + b * knot)
+
+    # -- costs ---------------------------------------------------------------------------------
+    def calibrate(self, time_target: Callable[[int], float], time_level: Callable[[int], float]) -> None:
+        """Time the target and one draft level at 1, 2, 4, ... tokens; skipped with fixed costs.
+
+        ``time_target(tokens)`` / ``time_level(rows)`` run one pass and return its seconds.
+        """
+        if self.fixed is not None:
+            return
+        start = time.perf_counter()
+        for curve, run in ((self.target, time_target), (self.level, time_level)):
+            run(1)  # warm-up
+            for knot in curve.knots:
+                seconds = min(run(int(knot)) for _ in range(2))
+                curve.set(int(knot), seconds)
+                if seconds > CALIBRATION_PASS_S:
+                    break
+        logger.info(
+            "eagle2 adaptive budget: calibrated in %.1f s; target %s; draft level %s",
+            time.perf_counter() - start,
+            self._describe(self.target),
+            self._describe(self.level),
+        )
+
+    @staticmethod
+    def _describe(curve: CostCurve) -> str:
+        y = curve.values()
+        shown = [0, len(y) // 2, len(y) - 1]
+        return ", ".join(f"{int(curve.knots[i])} tok {y[i] * 1e3:.2f} ms" for i in shown)
+
+    def step_started(self, tokens: int) -> None:
+        """The runner starts a step over ``tokens`` scheduled tokens."""
+        now = time.perf_counter()
+        if self._step_host is not None and self.fixed is None:
+            other = now - self._step_host - self._step_target - self._step_draft
+            self.overhead += 0.1 * (max(other, 0.0) - self.overhead)
+        self._step_host = now
+        self._step_mark = self.clock.mark()
+        self._step_tokens = tokens
+        self._step_target = self._step_draft = 0.0
+
+    def target_done(self) -> None:
+        """The step's target pass, sampling and verification are done (the drafter starts)."""
+        if self._step_mark is None:
+            return
+        tokens = self._step_tokens
+
+        def sink(seconds: float) -> None:
+            self._step_target = seconds
+            if self.fixed is None:
+                self.target.observe(tokens, seconds)
+
+        self.clock.measure(self._step_mark, self.clock.mark(), sink)
+        self._step_mark = None
+
+    def level_started(self, rows: int) -> None:
+        """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
+        self._levels.append((self.clock.mark(), rows))
+
+    def drafting_done(self) -> None:
+        """The last level ended: each level is timed from its start to the next one's."""
+        if not self._levels:
+            return
+        self._levels.append((self.clock.mark(), 0))
+        for (start, rows), (end, _) in zip(self._levels, self._levels[1:]):
+
+            def sink(seconds: float, rows: int = rows) -> None:
+                self._step_draft += seconds
+                if self.fixed is None:
+                    self.level.observe(rows, seconds)
+
+            self.clock.measure(start, end, sink)
+        self._levels = []
+
+    # -- acceptance ----------------------------------------------------------------------------
+    def record_verification(
+        self,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        ranks: torch.Tensor,
+        values: torch.Tensor,
+        known: torch.Tensor,
+        accepted_nodes: torch.Tensor,
+    ) -> None:
+        """Add one verification to the device table (no host reads).
+
+        parents / depths / ranks: [B, N] int64 of the verified trees; values: [B, N] float
+        path log-probabilities; known: [B, N] bool, the nodes whose tree position is known
+        (drafts of this drafter, not padding); accepted_nodes: [B, N] int64, the accepted
+        path's node indices, -1 padded.
+        """
+        batch, n = parents.shape
+        accepted = torch.zeros(batch, n + 1, dtype=torch.bool, device=parents.device)
+        accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, n), True)
+        accepted = accepted[:, :n] & known
+        parent_ok = torch.where(parents >= 0, accepted.gather(1, parents.clamp(min=0)), True) & known
+        depth0 = (depths - 1).clamp(0, self.depth - 1)
+        cell = depth0 * self.stats.shape[1] + ranks.clamp(0, self.topk - 1)
+        stats = self.stats.view(-1)
+        self.stats.mul_(DISCOUNT)
+        stats.index_add_(0, cell.flatten(), parent_ok.flatten().float())
+        stats.index_add_(0, (cell + self.topk).flatten(), accepted.flatten().float())
+        row = depth0 * self.stats.shape[1] + 2 * self.topk
+        stats.index_add_(0, row.flatten(), (values.float().exp() * known).flatten())
+        stats.index_add_(0, (row + 1).flatten(), accepted.flatten().float())
+
+    def copy_stats(self) -> None:
+        """Start the table's copy to the host; it lands with the drafter's next host sync."""
+        self._stats_host.copy_(self.stats, non_blocking=True)
+        self._stats_copied = True
+
+    def after_sync(self) -> None:
+        """The drafter's host sync completed: read the copied table and pending timings."""
+        self.clock.resolve()
+        if self._stats_copied:
+            host = self._stats_host.numpy()
+            self.acceptance.update(host[:, : self.topk], host[:, self.topk : 2 * self.topk])
+            self._stats_copied = False
+
+    def correction(self) -> torch.Tensor:
+        """[depth + 1] device: observed acceptance per unit of exp(path value), by depth (0 unused)."""
+        mass, accepted = self.stats[:, 2 * self.topk], self.stats[:, 2 * self.topk + 1]
+        return torch.cat([mass.new_ones(1), (accepted + 1.0) / (mass + 1.0)])
+
+    # -- decisions -----------------------------------------------------------------------------
+    def plan(self, batch: int) -> DraftPlan:
+        """This step's draft shape for ``batch`` requests (cached for ``REPLAN_STEPS`` steps)."""
+        self._step += 1
+        cached = self._plans.get(batch)
+        if cached is not None and self._step - cached[0] < REPLAN_STEPS:
+            return cached[1]
+        plan = plan_draft(
+            batch,
+            max_depth=self.depth,
+            max_topk=self.topk,
+            max_nodes=self.max_nodes,
+            acceptance=self.acceptance.p,
+            target=self.target,
+            level=self.level,
+            overhead=self.overhead,
+            chain_only=self.chain,
+        )
+        self._plans[batch] = (self._step, plan)
+        return plan
+
+    def allocate(
+        self, plan: DraftPlan, values: torch.Tensor, depths: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`)."""
+        batch, n = values.shape
+        j = np.arange(batch * n + 1, dtype=np.float64)
+        draft = self.level(batch) + (plan.depth - 1) * self.level(batch * plan.topk)
+        seconds = self.target(batch + j) + draft + self.overhead
+        step_seconds = torch.from_numpy(seconds.astype(np.float32)).to(values.device, non_blocking=True)
+        return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
+
+    def count_step(self, plan: DraftPlan, counts: list[int]) -> None:
+        """Metrics of one step: the plan and the drafts sent for each request."""
+        total = sum(counts)
+        self.steps += 1
+        self.steps_without_drafts += total == 0
+        self.nodes_per_step[total] += 1
+        self.nodes_per_request.update(counts)
+        self.shapes[(plan.depth, plan.topk)] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL_S:
+            self._logged_at = now
+            logger.info("eagle2 adaptive budget: %s", json.dumps(self.summary()))
+
+    def summary(self) -> dict[str, Any]:
+        """Counters since start: steps, steps without drafts, drafts per step and per request
+        (histograms, keyed by count), draft shapes planned (``d{depth}k{topk}``; ``d0k0`` = none)."""
+        total = sum(n * c for n, c in self.nodes_per_step.items())
+        return {
+            "steps": self.steps,
+            "steps_without_drafts": self.steps_without_drafts,
+            "mean_drafts_per_step": total / self.steps if self.steps else 0.0,
+            "drafts_per_step": {str(n): c for n, c in sorted(self.nodes_per_step.items())},
+            "drafts_per_request": {str(n): c for n, c in sorted(self.nodes_per_request.items())},
+            "shapes": {f"d{d}k{k}": c for (d, k), c in sorted(self.shapes.items())},
+            "overhead_ms": self.overhead * 1e3,
+        }

@@ -1,0 +1,303 @@
+"""How many tree nodes each step verifies: cost curves, acceptance statistics, the chooser.
+
+No vLLM here. Speculation pays only while verified tokens are cheap, and what a token costs
+depends on the batch: at batch 1 the target reads its weights once for a few tokens, in a
+full batch every extra node costs real compute. Each step therefore takes two decisions,
+both maximising expected tokens per second of the next step:
+
+* before drafting, on the host, :func:`plan_draft` picks the draft's shape (depth, topk)
+  and the nodes per request it pays to verify, or no drafts at all, from the batch size,
+  the :class:`CostCurve` of the target and of one draft level, and the
+  :class:`AcceptanceModel` (acceptance per depth and sibling rank);
+* after drafting, on the device, :func:`allocate_nodes` splits one budget across the batch
+  in order of calibrated path value (EAGLE-2's own ordering, corrected per depth by the
+  acceptance the engine observed): confident trees get more nodes, doubtful ones fewer.
+
+Both are pure functions of their arguments; :mod:`vllm_eagle2.adaptive` feeds them
+measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "AcceptanceModel",
+    "CostCurve",
+    "DraftPlan",
+    "allocate_nodes",
+    "expected_accepted",
+    "plan_draft",
+]
+
+
+class CostCurve:
+    """Seconds of one pass as a piecewise-linear function of the tokens (rows) it processes.
+
+    Knots at 1, 2, 4, ... up to the first power of two >= ``max_tokens``. Two layers:
+
+    * the *base* curve, from a calibration (:meth:`set`): knots never set are filled by
+      linear interpolation and, past the last set knot, by extending its segment
+      (proportionally from the origin when only one knot is set);
+    * *live* knots, from the passes the engine times (:meth:`observe`). A knot never observed
+      keeps the base curve's shape scaled to the nearest observed knot: a start-up
+      calibration that prices every pass at a third of the real cost is corrected for all
+      sizes by the sizes the engine actually runs.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        top = max(1, int(max_tokens) - 1).bit_length()
+        self.knots = np.array([1 << i for i in range(top + 1)], dtype=np.float64)
+        self._base = np.full(len(self.knots), np.nan)
+        self._live = np.full(len(self.knots), np.nan)
+        self._values: np.ndarray | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether any knot has been calibrated or observed."""
+        return bool(np.isfinite(self._base).any() or np.isfinite(self._live).any())
+
+    def set(self, tokens: int, seconds: float) -> None:
+        """Calibrate knot ``tokens`` (a power of two within the curve)."""
+        i = int(np.searchsorted(self.knots, tokens))
+        if i >= len(self.knots) or self.knots[i] != tokens:
+            raise ValueError(f"{tokens} is not a knot of this curve (powers of two to {self.knots[-1]:.0f})")
+        self._base[i] = max(float(seconds), 0.0)
+        self._values = None
+
+    def _filled(self, known: np.ndarray) -> np.ndarray:
+        have = np.isfinite(known)
+        x, y = self.knots[have], known[have]
+        filled = np.interp(self.knots, x, y)
+        slope = y[0] / x[0] if len(x) == 1 else max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        after = self.knots > x[-1]
+        filled[after] = y[-1] + slope * (self.knots[after] - x[-1])
+        return filled
+
+    def values(self) -> np.ndarray:
+        """Seconds at every knot."""
+        if self._values is None:
+            if not self.ready:
+                raise RuntimeError("CostCurve has no measurement yet")
+            live = np.isfinite(self._live)
+            if not np.isfinite(self._base).any():
+                self._values = self._filled(self._live)
+            elif not live.any():
+                self._values = self._filled(self._base)
+            else:
+                base = np.maximum(self._filled(self._base), 1e-12)
+                observed = np.flatnonzero(live)
+                pos = np.arange(len(self.knots))
+                right = np.clip(np.searchsorted(observed, pos), 0, len(observed) - 1)
+                left = np.clip(right - 1, 0, len(observed) - 1)
+                nearest = np.where(
+                    np.abs(observed[left] - pos) < np.abs(observed[right] - pos),
+                    observed[left],
+                    observed[right],
+                )
+                self._values = np.where(live, self._live, base * self._live[nearest] / base[nearest])
+        return self._values
+
+    def __call__(self, tokens: np.ndarray | float) -> np.ndarray:
+        """Predicted seconds at ``tokens`` (any shape); linear past the last knot."""
+        y = self.values()
+        t = np.asarray(tokens, dtype=np.float64)
+        inside = np.interp(t, self.knots, y)
+        slope = max((y[-1] - y[-2]) / (self.knots[-1] - self.knots[-2]), 0.0) if len(y) > 1 else y[0]
+        return np.where(t > self.knots[-1], y[-1] + slope * (t - self.knots[-1]), inside)
+
+    def observe(self, tokens: float, seconds: float, rate: float = 0.2) -> None:
+        """Move the curve at ``tokens`` a step ``rate`` towards ``seconds`` (least mean squares).
+
+        The error is clipped to half the prediction, so one stalled pass cannot wreck the
+        curve. On a curve with no knot yet, the observation sets the nearest knot.
+        """
+        t = min(max(float(tokens), 1.0), self.knots[-1])
+        if not self.ready:
+            self._live[int(np.argmin(np.abs(np.log2(self.knots) - math.log2(t))))] = max(seconds, 0.0)
+            self._values = None
+            return
+        y = self.values()
+        hi = min(int(np.searchsorted(self.knots, t)), len(self.knots) - 1)
+        lo = max(hi - 1, 0)
+        w_hi = 1.0 if hi == lo else (t - self.knots[lo]) / (self.knots[hi] - self.knots[lo])
+        predicted = (1 - w_hi) * y[lo] + w_hi * y[hi]
+        err = float(np.clip(seconds - predicted, -0.5 * predicted, 0.5 * predicted))
+        for knot, weight in ((lo, 1 - w_hi), (hi, w_hi)):
+            if weight > 0:  # a knot the measurement does not touch keeps following its neighbours
+                self._live[knot] = y[knot] + rate * weight * err
+        self._values = None
+
+
+class AcceptanceModel:
+    """Acceptance by tree position, learnt from the trees the engine verifies.
+
+    ``p[d, r]``: the probability that the rank-``r`` child (0 = likeliest) of a node at depth
+    ``d`` (0 = the root) is accepted, given that its parent was. Counts are discounted sums
+    (recent steps weigh more) plus a prior of ``prior_weight`` pseudo-trials at
+    ``prior_top1 * prior_decay**r``, which only matters until the engine has seen that
+    position a few times.
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        topk: int,
+        prior_top1: float = 0.5,
+        prior_decay: float = 0.5,
+        prior_weight: float = 2.0,
+    ) -> None:
+        self.depth, self.topk = depth, topk
+        prior = prior_top1 * prior_decay ** np.arange(topk, dtype=np.float64)
+        self._prior_trials = np.full((depth, topk), prior_weight)
+        self._prior_accepts = prior_weight * np.broadcast_to(prior, (depth, topk))
+        self.trials = np.zeros((depth, topk))
+        self.accepts = np.zeros((depth, topk))
+
+    def update(self, trials: np.ndarray, accepts: np.ndarray) -> None:
+        """Replace the counts with the engine's discounted sums, each [depth, topk]."""
+        self.trials = np.asarray(trials, dtype=np.float64)[: self.depth, : self.topk]
+        accepts = np.asarray(accepts, dtype=np.float64)[: self.depth, : self.topk]
+        self.accepts = np.minimum(accepts, self.trials)
+
+    @property
+    def p(self) -> np.ndarray:
+        """[depth, topk] conditional acceptance probabilities."""
+        return (self.accepts + self._prior_accepts) / (self.trials + self._prior_trials)
+
+
+def expected_accepted(p: np.ndarray, depth: int, topk: int, max_nodes: int) -> np.ndarray:
+    """Expected accepted drafts [max_nodes + 1] of the best n-node tree of shape (depth, topk).
+
+    Grows the tree as :func:`vllm_eagle2.tree.build_dynamic_tree` would on a draft whose
+    confidences were the acceptance rates ``p`` ([>= depth, >= topk], see
+    :class:`AcceptanceModel`): a node's value is the product of ``p`` along its path, which
+    is the probability that it is accepted; each level expands the ``topk`` best nodes of
+    the level before. Entry n sums the n best values of the pool (entry 0 is 0; past the
+    pool the sum stays flat).
+    """
+    level = p[0, :topk].copy()
+    pool = [level]
+    for d in range(1, depth):
+        frontier = np.sort(level)[::-1][:topk]
+        level = (frontier[:, None] * p[d, :topk][None, :]).ravel()
+        pool.append(level)
+    values = np.sort(np.concatenate(pool))[::-1][:max_nodes]
+    out = np.zeros(max_nodes + 1)
+    out[1 : len(values) + 1] = np.cumsum(values)
+    out[len(values) + 1 :] = out[len(values)]
+    return out
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One step's draft: ``depth`` levels of ``topk``, ``num_tokens`` nodes kept per request.
+
+    ``num_tokens == 0``: no drafts this step (depth and topk are then 0 too).
+    ``rate``: the tokens per second the plan expects; ``per_request``: the nodes per request
+    the plan was sized for (``num_tokens`` may be larger, to leave the allocation room).
+    """
+
+    depth: int
+    topk: int
+    num_tokens: int
+    per_request: int
+    rate: float
+
+    @property
+    def drafts(self) -> bool:
+        return self.num_tokens > 0
+
+
+def _pool_size(depth: int, topk: int) -> int:
+    return topk + (depth - 1) * topk * topk
+
+
+def plan_draft(
+    batch: int,
+    *,
+    max_depth: int,
+    max_topk: int,
+    max_nodes: int,
+    acceptance: np.ndarray,
+    target: CostCurve,
+    level: CostCurve,
+    overhead: float,
+    chain_only: bool = False,
+) -> DraftPlan:
+    """The draft shape and size that maximise the next step's expected tokens per second.
+
+    A plan of shape (d, k) with n nodes per request is expected to yield
+    ``batch * (1 + E[d, k, n])`` tokens (:func:`expected_accepted`) in
+    ``target(batch * (1 + n)) + level(batch) + (d - 1) * level(batch * k) + overhead``
+    seconds: verification of every node, the root level and ``d - 1`` expansion levels of
+    the draft, and the step's fixed costs; no drafts yield ``batch`` tokens in
+    ``target(batch) + overhead``. Every d <= ``max_depth``, k <= ``max_topk`` (k = 1 only
+    when ``chain_only``) and n <= ``max_nodes`` is considered.
+
+    Args:
+        batch: requests in the step (>= 1).
+        acceptance: [>= max_depth, >= max_topk] acceptance rates (:attr:`AcceptanceModel.p`).
+        target: seconds of a target pass by tokens; level: seconds of a draft level by rows.
+        overhead: seconds every step costs besides these passes.
+    """
+    none_rate = batch / (float(target(batch)) + overhead)
+    best = DraftPlan(0, 0, 0, 0, none_rate)
+    n = np.arange(max_nodes + 1, dtype=np.float64)
+    verify = target(batch * (1 + n))
+    root = float(level(batch))
+    for k in [1] if chain_only else range(1, max_topk + 1):
+        expand = float(level(batch * k))
+        for d in range(1, max_depth + 1):
+            if chain_only and d > max_nodes:
+                break
+            cost = verify + root + (d - 1) * expand + overhead
+            size = min(max_nodes, _pool_size(d, k))
+            gain = expected_accepted(acceptance, d, k, size)
+            rate = batch * (1 + gain) / cost[: size + 1]
+            # A chain keeps all d of its nodes; a tree any number (the allocation may use more).
+            j = size if chain_only else int(np.argmax(rate[1:])) + 1
+            if rate[j] > best.rate:
+                best = DraftPlan(d, k, size, j, float(rate[j]))
+    return best
+
+
+def allocate_nodes(
+    values: torch.Tensor,
+    depths: torch.Tensor,
+    allowed: torch.Tensor,
+    correction: torch.Tensor,
+    step_seconds: torch.Tensor,
+) -> torch.Tensor:
+    """Drafts per request [B] int64 that maximise the next step's expected tokens per second.
+
+    Each node's expected acceptance is ``correction[depth] * exp(value)``, made
+    non-increasing along each row (a node is accepted only with its ancestors). The best
+    ``j`` nodes of the whole batch are kept, for the ``j`` that maximises
+    ``(B + expected accepted) / step_seconds[j]``: one budget, filled in order of
+    calibrated path value, so requests with confident drafts get more of it. Every row
+    keeps a prefix, which :func:`vllm_eagle2.tree.build_dynamic_tree` guarantees is a tree.
+    Fixed shapes and no host reads.
+
+    Args:
+        values: [B, N] float, the nodes' path log-probabilities, best first per row.
+        depths: [B, N] int64, 1 = child of the root.
+        allowed: [B] bool, False = the request takes no drafts.
+        correction: [D + 1] float, accepted per unit of exp(value) at each depth (D >= max depth).
+        step_seconds: [B * N + 1] float, predicted seconds of a step verifying j drafts in all.
+    """
+    batch, n = values.shape
+    gain = (correction[depths] * values.float().exp()).clamp(0.0, 1.0)
+    gain = torch.cummin(gain, dim=1).values * allowed.unsqueeze(1)
+    flat = gain.flatten()
+    order = torch.sort(flat, descending=True, stable=True)
+    cum = torch.cat([flat.new_zeros(1), order.values.cumsum(0)])
+    rate = (batch + cum) / step_seconds.to(cum)
+    keep = torch.argmax(rate)  # the first best: ties go to fewer nodes
+    rank = torch.empty_like(order.indices)
+    rank[order.indices] = torch.arange(batch * n, device=values.device)
+    return (rank.view(batch, n) < keep).sum(dim=1)
