@@ -135,6 +135,7 @@ def main() -> None:
             "num_speculative_tokens": m,
             "depth": 4,
             "topk": max(4, int((m / 3) ** 0.5) + 1),
+            "budget": "fixed",  # this tree every step: the measurement needs it
         }
         row: dict = {"m": m}
         for backend in backends:

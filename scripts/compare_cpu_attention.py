@@ -96,6 +96,7 @@ def main() -> None:
             "num_speculative_tokens": 4,
             "depth": 2,
             "topk": 2,
+            "budget": "fixed",  # this tree every step: the measurement needs it
         },
         dtype=dtype,
         enforce_eager=True,

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "topk": k,
         "tree": args.tree,
         "draft_vocab_size": args.draft_vocab,
+        "budget": "fixed",  # this tree every step: the measurement needs it
     }
     rows = [
         run("no speculation", None, args, prompts),
