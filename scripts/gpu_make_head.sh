@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The head's GPU recipe, in one call on a CUDA machine that has torch and transformers but no vLLM and
+# no network (the device lent for minutes): rebuild the target from its GGUF, fill distilled-reply
+# slices of data/replies for GEN_MINUTES, then extract features and train a head for TRAIN_MINUTES.
+# The new slices and the head are packed into $OUT as replies.tar and head.tar; unpack them into the
+# repo and commit (the replies outlive the machine; features are rebuilt from them in minutes).
+#
+#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=/tmp/out scripts/gpu_make_head.sh
+#
+# Needs the gguf package beside transformers (prepare_smollm2.py). Every size is an environment
+# variable, so the same script dry-runs on a CPU at a tiny scale first.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+: "${GGUF:?path of the target GGUF}" "${OUT:?folder for replies.tar, head.tar}"
+PY=${PY:-python3}
+TARGET=${TARGET:-models/smollm2-135m-instruct}
+DATA=${DATA:-data/replies}
+HEAD=${HEAD:-/tmp/eagle-head}
+FEATURES=${FEATURES:-/tmp/eagle-features}
+GEN_MINUTES=${GEN_MINUTES:-4}       # no new ShareGPT slice starts after this
+SLICE=${SLICE:-2048}                # prompts per slice
+GEN_BATCH=${GEN_BATCH:-1024}        # prompts per generate call
+MAX_NEW=${MAX_NEW:-384}             # ShareGPT reply cap (MT-bench: MAX_NEW_EVAL)
+MAX_NEW_EVAL=${MAX_NEW_EVAL:-512}
+EPOCHS=${EPOCHS:-4}
+TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most; with DEADLINE (seconds from the start), less if time is short
+RESERVE=${RESERVE:-130}             # seconds kept for features, evaluations and packing
+BATCH_TOKENS=${BATCH_TOKENS:-4096}
+export PYTHONUNBUFFERED=1
+
+t0=$SECONDS
+stamp() { echo "[gpu_make_head] $(( SECONDS - t0 )) s: $*" >&2; }
+stamp "target from $GGUF"
+[ -f "$TARGET/config.json" ] || "$PY" scripts/prepare_smollm2.py --gguf "$GGUF" --output "$TARGET" --smoke-tokens 0
+stamp "MT-bench answers (held out)"
+"$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set mtbench --slice-size 80 \
+    --max-new-tokens "$MAX_NEW_EVAL" --batch-size 80
+stamp "ShareGPT replies for $GEN_MINUTES min"
+"$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set sharegpt --slice-size "$SLICE" \
+    --max-new-tokens "$MAX_NEW" --batch-size "$GEN_BATCH" --max-minutes "$GEN_MINUTES"
+tar -cf "$OUT/replies.tar" -C "$(dirname "$DATA")" "$(basename "$DATA")"
+if [ -n "${DEADLINE:-}" ]; then
+    TRAIN_MINUTES=$(awk -v d="$DEADLINE" -v now=$(( SECONDS - t0 )) -v r="$RESERVE" -v m="$TRAIN_MINUTES" \
+        'BEGIN { x = (d - now - r) / 60; if (x > m) x = m; if (x < 0.5) x = 0.5; printf "%.2f", x }')
+fi
+stamp "features and training (at most $TRAIN_MINUTES min of training)"
+"$PY" scripts/train_eagle_head.py --target "$TARGET" --replies "$DATA" --eval-replies mtbench \
+    --num-conversations 0 --eval-conversations 0 --max-tokens-per-conversation 1024 \
+    --batch-tokens "$BATCH_TOKENS" --epochs "$EPOCHS" --train-depths 3 --lr 1e-3 --min-lr-ratio 0.05 \
+    --ce-weight 0.1 --max-minutes "$TRAIN_MINUTES" --feature-dir "$FEATURES" --output "$HEAD" --seed 0
+tar -cf "$OUT/head.tar" -C "$(dirname "$HEAD")" "$(basename "$HEAD")"
+stamp "done"

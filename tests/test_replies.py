@@ -1,0 +1,82 @@
+"""Committed distilled replies (vllm_eagle2.training.replies): format, resumable slices, the checks
+that keep data/replies/ honest, and batched greedy generation equal to one prompt at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_eagle2.tiny_models import build_target
+from vllm_eagle2.training import replies
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 7, 8, 9], [1, 10], [1, 11, 12, 13, 14, 15, 16], [1, 17, 18]]
+
+
+@pytest.fixture()
+def folder(tmp_path: Path) -> Path:
+    """A replies folder with one prompt set of four prompts."""
+    replies.add_prompt_set(tmp_path, "chat", ["p0", "p1", "p2", "p3"], PROMPTS, {"order": "test"})
+    return tmp_path
+
+
+def test_pack_then_unpack_gives_the_sequences_back() -> None:
+    seqs = [[5, 65535, 0], [], [42]]
+    assert replies.unpack(replies.pack(seqs)) == seqs
+
+
+def test_pack_refuses_ids_beyond_uint16() -> None:
+    with pytest.raises(ValueError, match="uint16"):
+        replies.pack([[1 << 16]])
+
+
+def test_next_slice_starts_where_the_last_slice_ended(folder: Path) -> None:
+    assert replies.next_slice(folder, "chat", 3) == (0, 0, 3)
+    replies.add_slice(folder, "chat", 0, 0, [[2], [3, 2], [4]], {})
+    assert replies.next_slice(folder, "chat", 3) == (1, 3, 4)
+    replies.add_slice(folder, "chat", 1, 3, [[5]], {})
+    assert replies.next_slice(folder, "chat", 3) is None
+
+
+def test_verify_accepts_a_folder_that_matches_its_manifest(folder: Path) -> None:
+    replies.add_slice(folder, "chat", 0, 0, [[2], [3, 2]], {})
+    assert replies.verify(folder) == []
+
+
+def test_verify_names_a_slice_whose_bytes_changed(folder: Path) -> None:
+    path = replies.add_slice(folder, "chat", 0, 0, [[2], [3, 2]], {})
+    np.savez_compressed(path, **replies.pack([[9], [9, 9]]))
+    assert any(path.name in p and "sha256" in p for p in replies.verify(folder))
+
+
+def test_conversations_mark_the_reply_and_leave_held_out_prompts_out(folder: Path) -> None:
+    replies.add_slice(folder, "chat", 0, 0, [[20, 21, 2], [22, 2], [23]], {})
+    names, ids, masks = replies.conversations(folder, "chat", max_tokens=100, exclude={"p1"})
+    # p1 is held out; p2's one-token reply is too short to train on
+    assert names == ["p0"]
+    assert ids == [PROMPTS[0] + [20, 21, 2]]
+    assert masks == [[False] * 4 + [True] * 3]
+
+
+def test_batched_greedy_replies_equal_one_prompt_at_a_time(tmp_path: Path) -> None:
+    """Left padding and sorting by length change no token of any reply (float32 tiny target)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(build_target(tmp_path / "t", seed=0)), dtype=torch.float32)
+    model.eval()
+    eos = 2
+    batched = replies.generate_greedy(model, PROMPTS, 6, batch_size=4, eos_id=eos, pad_id=3)
+    alone = [replies.generate_greedy(model, [p], 6, batch_size=1, eos_id=eos, pad_id=3)[0] for p in PROMPTS]
+    assert batched == alone
+    assert all(0 < len(r) <= 6 and (eos not in r or r.index(eos) == len(r) - 1) for r in batched)
+
+
+def test_committed_replies_match_their_manifest() -> None:
+    """data/replies/: every prompt set and slice is present, unchanged, and where the manifest says."""
+    folder = REPO / "data" / "replies"
+    manifest = replies.load_manifest(folder)
+    assert manifest["slices"], "no committed slices"
+    assert replies.verify(folder) == []
