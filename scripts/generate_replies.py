@@ -10,7 +10,8 @@ Examples::
 
     .venv/bin/python scripts/generate_replies.py --init                     # prompt sets (once)
     .venv/bin/python scripts/generate_replies.py --set mtbench --max-new-tokens 512
-    .venv/bin/python scripts/generate_replies.py --set sharegpt --max-minutes 30   # resumable
+    .venv/bin/python scripts/generate_replies.py --set sharegpt --engine vllm --max-minutes 30  # CPU
+    python3 scripts/generate_replies.py --set sharegpt --batch-size 1024 --max-minutes 4     # GPU
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import hashlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from vllm_eagle2.training import replies, sources
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
 def log(msg: str) -> None:
@@ -94,6 +97,65 @@ def init_prompt_sets(folder: Path, target: Path, seed: int, max_prompt_tokens: i
         log(f"prompt set {name}: {len(ids)} of {len(items)} prompts fit in {max_prompt_tokens} tokens")
 
 
+def hf_generator(target: Path, args: argparse.Namespace) -> tuple[Generate, dict[str, str]]:
+    """Greedy replies with transformers ``generate`` on ``--device`` (a GPU: about 11k tokens/s on an
+    H100 at batch 1,024)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).to(device).eval()
+    gen = GenerationConfig.from_pretrained(str(target))
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, int) else gen.eos_token_id[0]
+    pad = gen.pad_token_id if gen.pad_token_id is not None else eos
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        return replies.generate_greedy(
+            model,
+            prompts,
+            args.max_new_tokens,
+            args.batch_size,
+            eos,
+            pad,
+            progress=lambda done, tokens: log(f"{done}/{len(prompts)} prompts, {tokens} reply tokens"),
+        )
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return generate, {
+        "engine": f"transformers {transformers.__version__}, torch {torch.__version__}",
+        "device": where,
+    }
+
+
+def vllm_generator(target: Path, args: argparse.Namespace) -> tuple[Generate, dict[str, str]]:
+    """Greedy replies with vLLM, no speculation (on this project's CPU machines: about 450 tokens/s at
+    batch 128, where transformers manages tens)."""
+    import os
+
+    from vllm_eagle2.cpu_env import configure_cpu_env
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    configure_cpu_env(quiet=True)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(target),
+        dtype="bfloat16",
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        max_num_seqs=args.batch_size,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate, {"engine": f"vllm {vllm.__version__}, torch {torch.__version__}", "device": "cpu"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,7 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", choices=["sharegpt", "mtbench"], help="prompt set whose next slices to fill")
     p.add_argument("--slice-size", type=int, default=2048, help="prompts per slice")
     p.add_argument("--max-new-tokens", type=int, default=384, help="reply length cap")
-    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (GPU: 1024)")
+    p.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="transformers (any device, no vLLM; use on a GPU) or vllm (fast on a CPU)",
+    )
+    p.add_argument("--batch-size", type=int, default=128, help="prompts per batch (GPU, transformers: 1024)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     p.add_argument("--max-minutes", type=float, default=None, help="start no slice after this long")
     p.add_argument("--max-slices", type=int, default=None, help="fill at most this many slices")
@@ -123,43 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         init_prompt_sets(args.data, target, args.seed, args.max_prompt_tokens)
     if args.set is None:
         return 0
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if args.device == "auto"
-        else args.device
-    )
     digest = weights_digest(target)
     expected = replies.load_manifest(args.data)["target"].get("weights_sha256")
     if digest != expected:
         log(f"warning: target weights {digest[:12]} differ from the manifest's {str(expected)[:12]}")
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16).to(device).eval()
-    gen = GenerationConfig.from_pretrained(str(target))
-    eos = gen.eos_token_id if isinstance(gen.eos_token_id, int) else gen.eos_token_id[0]
-    pad = gen.pad_token_id if gen.pad_token_id is not None else eos
-    import transformers
-
-    engine = f"transformers {transformers.__version__}, torch {torch.__version__}"
-    where = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu ({torch.get_num_threads()} threads)"
-    )
-    info = {"engine": engine, "device": where, "dtype": "bfloat16", "target_weights_sha256": digest}
+    settings = {"greedy": True, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+    make = hf_generator if args.engine == "transformers" else vllm_generator
+    generate, info = make(target, args)
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
     written = replies.fill_slices(
         args.data,
         args.set,
-        model,
+        generate,
         args.slice_size,
-        args.max_new_tokens,
-        args.batch_size,
-        eos,
-        pad,
-        info,
+        {**info, "dtype": "bfloat16", "target_weights_sha256": digest, **settings},
         deadline=deadline,
         max_slices=args.max_slices,
         log=log,

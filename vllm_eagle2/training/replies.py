@@ -239,19 +239,16 @@ def generate_greedy(
 def fill_slices(
     folder: Path,
     name: str,
-    model: torch.nn.Module,
+    generate: Callable[[list[list[int]]], list[list[int]]],
     slice_size: int,
-    max_new_tokens: int,
-    batch_size: int,
-    eos_id: int,
-    pad_id: int,
     info: dict[str, Any],
     deadline: float | None = None,
     max_slices: int | None = None,
     log: Callable[[str], None] = print,
 ) -> int:
-    """Generate the next slices of prompt set ``name`` until all are done, ``max_slices`` are written,
-    or ``time.monotonic()`` passes ``deadline`` (checked between slices); returns the slices written."""
+    """Fill the next slices of prompt set ``name`` with ``generate(prompts) -> replies`` until all are
+    done, ``max_slices`` are written, or ``time.monotonic()`` passes ``deadline`` (checked between
+    slices); ``info`` (engine, settings) is recorded with each. Returns the slices written."""
     _, prompts = prompt_set(folder, name)
     written = 0
     while (nxt := next_slice(folder, name, slice_size)) is not None:
@@ -259,21 +256,10 @@ def fill_slices(
             break
         k, start, end = nxt
         t0 = time.perf_counter()
-        replies = generate_greedy(
-            model,
-            prompts[start:end],
-            max_new_tokens,
-            batch_size,
-            eos_id,
-            pad_id,
-            progress=lambda d, t, k=k, n=end - start: log(
-                f"{name} slice {k}: {d}/{n} prompts, {t} reply tokens"
-            ),
-        )
+        out = generate(prompts[start:end])
         seconds = time.perf_counter() - t0
-        settings = {"greedy": True, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
-        path = add_slice(folder, name, k, start, replies, {**info, **settings, "seconds": round(seconds, 1)})
-        tokens = sum(len(r) for r in replies)
+        path = add_slice(folder, name, k, start, out, {**info, "seconds": round(seconds, 1)})
+        tokens = sum(len(r) for r in out)
         log(
             f"{path.name}: {end - start} replies, {tokens} tokens in {seconds:.0f} s "
             f"({tokens / seconds:.0f} tok/s)"
