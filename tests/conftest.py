@@ -1,4 +1,4 @@
-"""Shared test set-up: vLLM on this CPU (DESIGN.md section 4) and an engine runner."""
+"""Shared test set-up: vLLM on this CPU (docs/design.md, section 3) and an engine runner."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """eagle2 inside vLLM is lossless: same tokens as the same engine without speculation.
 
-Float32 tiny models (DESIGN.md: bf16 rounds differently per batch shape). The "partial"
+Float32 tiny models (docs/design.md, section 4: bf16 rounds differently per batch shape). The "partial"
 pair has a head that agrees with its target only ~65% of the time, so trees are accepted
 at varied depths and branches: the pair that catches tree-mask and KV-compaction bugs.
 """

@@ -1,4 +1,4 @@
-"""Environment for vLLM's CPU build, set before vLLM is imported (DESIGN.md section 4).
+"""Environment for vLLM's CPU build, set before vLLM is imported (docs/design.md, section 3).
 
 Used by the tests and the scripts, so that every place runs vLLM on a CPU the same way.
 """
