@@ -13,7 +13,7 @@
 # Measured on 2 CPU cores (heads/smollm2-135m-eagle, v6): about 5.1 h from nothing, the sum of
 # 84 min of generation (2.3M reply tokens at 400-510 tok/s), ~85 min of feature extraction (3.3M
 # tokens at ~620-670 tok/s), 59 min of training (5 epochs), 36 min of the depth stage and 40 min of
-# the fresh-data stage; see the head's README.
+# the fresh-data stage; see docs/head-experiments.md.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -28,12 +28,12 @@ Pipeline (one command, reproducible from ``--seed``):
 4. Loss (EAGLE paper): smooth-L1 regression of the head output to the target's next hidden state
    ``z_{i+1}`` plus ``0.1 x`` cross-entropy against the target's next-token distribution
    ``softmax(lm_head(z_{i+1}))``, averaged over positions whose predicted token lies in an assistant
-   reply (``--ce-weight``; 0.1 measured best, see the head's README). The vocabulary-sized part has the
+   reply (``--ce-weight``; 0.1 measured best, see docs/head-experiments.md). The vocabulary-sized part has the
    closed-form gradient ``softmax(head) - p_target``. By default (``--vocab-subset 8192``) it runs over
    the 8,192 tokens the target predicts most plus each batch's stored target top-16, about 3x faster
    per step than over the whole 49k vocabulary (``--vocab-subset 0``, computed in row chunks).
    ``--reg-only-ratio F`` trains the first fraction F of the steps on the regression alone (measured
-   from scratch against the full loss throughout, see the head's README).
+   from scratch against the full loss throughout, see docs/head-experiments.md).
    ``--train-depths N`` also trains drafting depths 2..N the way the drafter runs them, on the head's
    own output features over the cache the target's features built (EAGLE-3's training-time test,
    ``EagleHead.forward_unrolled``); a head trained teacher-forced only drifts on its own features
