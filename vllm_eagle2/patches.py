@@ -17,9 +17,10 @@ What is patched (vLLM 0.32, file:function):
   drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
   masks after ``_prepare_inputs``; tree verification instead of the rejection sampler;
   the adaptive budget's step timer starts in ``_prepare_inputs``.
-  Also, for every engine (eagle2 or not): a seeded request whose prefill chunk is discarded
-  keeps its CPU generator untouched (vLLM rewinds it with ``set_offset``, which only CUDA
-  generators have: a seeded request with a chunked prefill crashed vLLM's CPU build).
+  Also, for eagle2 engines (and for every engine with ``VLLM_EAGLE2_FIX_VLLM_CPU=1``): a seeded
+  request whose prefill chunk is discarded keeps its CPU generator untouched (vLLM rewinds it
+  with ``set_offset``, which only CUDA generators have: a seeded request with a chunked prefill
+  crashed vLLM's CPU build). It can go once vLLM's CPU build restores CPU generators itself.
 * ``v1/worker/gpu_worker.py`` Worker and ``v1/worker/cpu_worker.py`` CPUWorker
   ``compile_or_warm_up_model``: with eagle2's adaptive budget, after the warm-up, the
   drafter times the target and one draft level (the budget's start-up calibration); and a
@@ -27,16 +28,18 @@ What is patched (vLLM 0.32, file:function):
 * ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
   by the "vec" layout, which the tree attention reads.
 * ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
-  ``v1/sample/rejection_sampler.py``), for every engine: it wrote into an int64 copy of the
-  output, so the per-token temperature (and top-k, top-p) of vLLM's own rejection sampler was
-  uninitialised memory. vLLM's built-in speculative methods sampled from a wrong distribution at
-  temperature > 0 and accepted almost nothing (eagle2 verifies with its own sampler).
+  ``v1/sample/rejection_sampler.py``), only with ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` (eagle2 verifies
+  with its own sampler and never calls it): it wrote into an int64 copy of the output, so the
+  per-token temperature (and top-k, top-p) of vLLM's own rejection sampler was uninitialised
+  memory, and vLLM's built-in speculative methods sampled from a wrong distribution at
+  temperature > 0. It can go once vLLM's CPU build writes into ``output``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import typing
 from typing import Any
 
@@ -46,6 +49,8 @@ logger = logging.getLogger("vllm_eagle2")
 
 #: vLLM releases this module was written against (CPU and CUDA builds).
 SUPPORTED_VLLM = ("0.32.",)
+#: Set to 1 to fix two bugs of vLLM's CPU build in engines that do not use eagle2 as well.
+FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
 _state: dict[str, Any] = {"applied": False, "error": None}
 
 
@@ -272,7 +277,8 @@ def _patch_runner() -> None:
     sample = GPUModelRunner._sample
 
     def _sample(self, logits, spec_decode_metadata):
-        saved = [(gen, gen.get_state()) for gen in _discarded_cpu_generators(self)]
+        fix = _is_eagle2(self) or _fix_every_engine()
+        saved = [(gen, gen.get_state()) for gen in _discarded_cpu_generators(self)] if fix else []
         try:
             if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
                 return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
@@ -287,7 +293,8 @@ def _patch_runner() -> None:
     def _bookkeeping_sync(self, *args, **kwargs):
         # _sample already restored these generators; hide them from vLLM's CUDA-only rewind.
         generators = self.input_batch.generators
-        hidden = {i: generators.pop(i) for i in _discarded_cpu_generator_rows(self)}
+        fix = _is_eagle2(self) or _fix_every_engine()
+        hidden = {i: generators.pop(i) for i in _discarded_cpu_generator_rows(self)} if fix else {}
         try:
             return bookkeeping_sync(self, *args, **kwargs)
         finally:
@@ -340,6 +347,11 @@ def _budget_summary(worker: Any) -> dict[str, Any] | None:
     return None if budget is None else budget.summary()
 
 
+def _fix_every_engine() -> bool:
+    """Whether the opt-in asks for vLLM CPU-build fixes in engines without eagle2 too."""
+    return os.environ.get(FIX_VLLM_CPU_ENV, "0") == "1"
+
+
 def _discarded_cpu_generator_rows(runner: Any) -> list[int]:
     """Batch rows whose sample this step is discarded (partial prefill) and that own a CPU generator."""
     num_reqs = runner.input_batch.num_reqs
@@ -373,7 +385,7 @@ def _patch_cpu_attention() -> None:
 def _patch_cpu_sampling_expansion() -> None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or not _fix_every_engine():
         return
     from vllm.utils import cpu_triton_utils
 
