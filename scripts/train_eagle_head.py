@@ -85,8 +85,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_eagle2 import draft_vocab
+from vllm_eagle2.datasets import SHAREGPT, sharegpt_conversations
 from vllm_eagle2.training import replies
-from vllm_eagle2.training.sources import SHAREGPT, sharegpt_conversations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"

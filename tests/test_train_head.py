@@ -18,8 +18,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from vllm_eagle2 import datasets
 from vllm_eagle2.tiny_models import EagleHeadReference, build_target
-from vllm_eagle2.training import sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -444,7 +444,7 @@ def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) ->
     from vllm_eagle2.tiny_models import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
-    msgs = sources.to_messages(
+    msgs = datasets.to_messages(
         {
             "conversations": [
                 {"from": "gpt", "value": "dropped leading reply"},
@@ -460,4 +460,4 @@ def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) ->
 
     path = tmp_path / "trunc.json"
     path.write_text('[{"id": "a", "conversations": []}, {"id": "b"}, {"id": "c", "conv')
-    assert [x["id"] for x in sources.iter_json_array(path, chunk_chars=7)] == ["a", "b"]
+    assert [x["id"] for x in datasets.iter_json_array(path, chunk_chars=7)] == ["a", "b"]

@@ -1,4 +1,4 @@
-"""Making EAGLE heads: data sources, committed distilled replies, and (later) features and training.
+"""Making EAGLE heads: committed distilled replies (and, later, features and training).
 
 Nothing here is imported by the serving plugin; it needs torch and transformers, not vLLM.
 """

