@@ -12,9 +12,11 @@ import torch
 from vllm_eagle2.budget import (
     AcceptanceModel,
     CostCurve,
+    DraftPlan,
     allocate_nodes,
     expected_accepted,
     plan_draft,
+    step_cost,
 )
 
 
@@ -58,7 +60,28 @@ def test_cost_curve_observations_converge_to_the_measured_cost():
 def test_cost_curve_clips_one_outlier():
     curve = linear_curve(64, 1.0, 0.0)
     curve.observe(16, 1000.0)
-    assert curve(16) < 1.5  # one step of the error clipped to half the prediction
+    assert curve(16) == pytest.approx(1.5)  # half a step of the error clipped to the prediction
+
+
+def test_cost_curve_learns_a_calibration_3_5x_too_cheap_within_five_steps():
+    curve = linear_curve(64, 0.01, 0.0)
+    for _ in range(5):
+        curve.observe(64, 0.035)
+    assert curve(64) == pytest.approx(0.035, rel=0.1)
+
+
+def test_cost_curve_caps_a_stalled_calibration_knot_by_the_larger_ones():
+    curve = linear_curve(64, 0.02, 0.0005)
+    curve.set(1, 0.5)  # a stall: 1 token priced above 64
+    assert curve(1) == pytest.approx(curve(2))
+    assert curve(64) - curve(1) > 0  # drafting still costs something over a plain pass
+
+
+def test_cost_curve_reports_whether_it_was_observed():
+    curve = linear_curve(64, 0.01, 0.0)
+    assert curve.ready and not curve.observed
+    curve.observe(16, 0.02)
+    assert curve.observed
 
 
 def test_cost_curve_rejects_a_non_knot():
@@ -121,6 +144,38 @@ def test_plan_never_exceeds_the_upper_bounds():
         1, linear_curve(4096, 1.0, 0.0), linear_curve(64, 0.0, 0.0), max_depth=3, max_topk=2, max_nodes=5
     )
     assert chosen.depth <= 3 and chosen.topk <= 2 and chosen.num_tokens <= 5
+
+
+def test_plan_is_no_drafts_when_verifying_steps_cost_more_than_plain_ones():
+    # Plain passes are cheap per token, but a step that verifies drafts costs 3x a plain one:
+    # priced like plain passes the trees would pay; priced as measured they do not.
+    target, level = linear_curve(4096, 0.030, 0.0001), linear_curve(640, 0.005, 0.00002)
+    assert plan(16, target, level).drafts
+    verify = linear_curve(4096, 0.100, 0.0001)
+    assert not plan(16, target, level, verify=verify).drafts
+
+
+def test_plan_prices_the_overhead_of_drafting_steps_apart():
+    target, level = linear_curve(4096, 0.030, 0.0001), linear_curve(640, 0.005, 0.00002)
+    assert plan(16, target, level, overhead=0.001, draft_overhead=0.001).drafts
+    assert not plan(16, target, level, overhead=0.001, draft_overhead=0.100).drafts
+
+
+def test_step_cost_is_the_price_the_plan_was_chosen_on():
+    target, level = linear_curve(4096, 0.010, 0.0002), linear_curve(640, 0.001, 0.00002)
+    verify = linear_curve(4096, 0.012, 0.0003)
+    costs = dict(target=target, level=level, overhead=0.002, verify=verify, draft_overhead=0.003)
+    chosen = plan(1, **costs)
+    assert chosen.drafts
+    gain = expected_accepted(acceptance(), chosen.depth, chosen.topk, chosen.num_tokens)[chosen.per_request]
+    assert chosen.rate * step_cost(chosen, 1, **costs) == pytest.approx(1 + gain)
+
+
+def test_step_cost_of_no_drafts_is_a_plain_pass():
+    target, level = linear_curve(4096, 0.010, 0.0002), linear_curve(640, 0.001, 0.00002)
+    verify = linear_curve(4096, 9.0, 0.0)  # what verifying costs does not matter
+    cost = step_cost(DraftPlan(0, 0, 0, 0, 0.0), 4, target=target, level=level, overhead=0.5, verify=verify)
+    assert cost == pytest.approx(float(target(4)) + 0.5)
 
 
 def test_chain_plan_keeps_every_node_of_its_depth():
@@ -224,3 +279,70 @@ def test_observations_rescale_the_sizes_never_observed():
     assert curve(16) == pytest.approx(3 * 0.026, rel=1e-3)
     assert curve(64) == pytest.approx(3 * 0.074, rel=1e-3)
     assert curve(2) == pytest.approx(3 * 0.012, rel=1e-3)
+
+
+def make_budget(**kw):
+    from vllm_eagle2.adaptive import AdaptiveBudget
+
+    kw = {"depth": 3, "topk": 2, "max_nodes": 6, "chain": False, "max_batch": 16, "max_tokens": 256, **kw}
+    budget = AdaptiveBudget(device=torch.device("cpu"), **kw)
+    budget.target = linear_curve(256, 0.010, 0.0001)
+    budget.verify = linear_curve(256, 0.010, 0.0001)
+    budget.level = linear_curve(32, 0.001, 0.0)
+    budget.acceptance.update(np.full((3, 2), 100.0), np.full((3, 2), 80.0))
+    return budget
+
+
+def test_budget_times_verifying_steps_on_their_own_curve():
+    budget = make_budget()
+    plan = budget.plan(4)
+    assert plan.drafts
+    budget.step_started(4)
+    budget.target_done()
+    budget.count_step(plan, [2, 2, 2, 2])  # this step drafted: the next one verifies
+    assert budget.target.observed and not budget.verify.observed
+    budget.step_started(12)
+    budget.target_done()
+    assert budget.verify.observed
+
+
+def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
+    budget = make_budget()
+    assert budget.plan(4).drafts
+    for _ in range(8):  # verifying steps turn out to cost 10x a plain pass
+        for tokens in (8, 16, 32):
+            budget.verify.observe(tokens, 0.1)
+    assert not budget.plan(4).drafts and budget.replans == 1
+
+
+def test_verifier_width_follows_the_adaptive_budget_counts():
+    from types import SimpleNamespace
+
+    from vllm_eagle2.runner import _verify_width
+
+    adaptive = SimpleNamespace(num_spec_tokens=60, drafter=SimpleNamespace(budget=object()))
+    assert _verify_width(adaptive, [3, 0, 1]) == 4  # a power of two: few shapes
+    assert _verify_width(adaptive, [60, 2]) == 60
+    fixed = SimpleNamespace(num_spec_tokens=60, drafter=SimpleNamespace(budget=None))
+    assert _verify_width(fixed, [3, 0, 1]) == 60
+
+
+def test_a_plan_whose_drafts_are_mostly_not_sent_becomes_no_drafts():
+    from vllm_eagle2.budget import DraftPlan, with_kept_fraction
+
+    # 4 requests, 1.0 expected accepted per request, step 0.05 s against 0.04 s without drafts
+    plan = DraftPlan(2, 2, 4, 4, 4 * 2.0 / 0.05)
+    assert with_kept_fraction(plan, 4, 1.0, 0.05, 0.04).rate == pytest.approx(plan.rate)
+    assert with_kept_fraction(plan, 4, 0.5, 0.05, 0.04).drafts  # 4 * 1.5 / 0.05 = 120 > 100
+    assert not with_kept_fraction(plan, 4, 0.2, 0.05, 0.04).drafts  # 4 * 1.2 / 0.05 = 96 < 100
+
+
+def test_budget_stops_planning_drafts_the_allocation_does_not_send():
+    budget = make_budget()
+    plan = budget.plan(4)
+    assert plan.drafts
+    for _ in range(20):  # the allocation keeps nothing, step after step
+        budget.count_step(plan, [0, 0, 0, 0])
+    budget._plans.clear()  # the cached plan expires
+    assert not budget.plan(4).drafts
+    assert budget.summary()["kept_fraction"]["4"] > 0.0  # moving back towards 1: drafting is retried

@@ -3,8 +3,11 @@
 * **Costs.** At engine start :meth:`AdaptiveBudget.calibrate` times the target and one draft
   level at 1, 2, 4, ... tokens (a few seconds at most: it stops doubling once a pass takes
   longer than ``CALIBRATION_PASS_S``). While serving, every step's target pass, each draft
-  level and the rest of the step are timed and refine the curves. On CUDA the timings are
-  events, read once the step's one host sync has completed them.
+  level and the rest of the step are timed and refine the curves. A step that verifies drafts
+  is priced apart from one that does not (its own target curve, ``verify``, and its own
+  overhead): verification, the tree bookkeeping and the allocation cost more than a plain
+  pass over as many tokens, and a model that prices both alike keeps drafting at a loss. On
+  CUDA the timings are events, read once the step's one host sync has completed them.
 * **Acceptance.** The verifier adds each step's outcome to a small device table
   (:meth:`record_verification`): per depth and sibling rank, trials and acceptances; per
   depth, accepted nodes and the summed exp(path value) of the verified ones. It is copied to
@@ -29,17 +32,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_eagle2.budget import AcceptanceModel, CostCurve, DraftPlan, allocate_nodes, plan_draft
+from vllm_eagle2.budget import (
+    AcceptanceModel,
+    CostCurve,
+    DraftPlan,
+    allocate_nodes,
+    plan_draft,
+    step_cost,
+    with_kept_fraction,
+)
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
-#: Calibration stops doubling a curve once one pass takes longer than this (seconds).
+#: Calibration stops doubling a curve once one pass takes longer than this (seconds), but not
+#: below ``CALIBRATION_MIN_TOKENS``: a pass that stalls (a shared machine) would otherwise leave
+#: one knot, and a curve proportional from the origin prices a second token as a second pass,
+#: so that drafting never looks worth trying again.
 CALIBRATION_PASS_S = 0.25
+CALIBRATION_MIN_TOKENS = 64
 #: Per verified step, older acceptance counts are multiplied by this (a memory of ~50 steps).
 DISCOUNT = 0.98
-#: Plans are cached per batch size and recomputed after this many steps.
+#: Plans are cached per batch size and recomputed after this many steps, or as soon as the
+#: price of the cached plan (or of not drafting) has moved by more than ``REPLAN_DRIFT``.
 REPLAN_STEPS = 16
+REPLAN_DRIFT = 0.15
+#: Per step, the overheads move this far towards the measured one.
+OVERHEAD_RATE = 0.2
+# The share of planned drafts the allocation sends, per batch size: an exponential average at
+# KEPT_RATE per drafting step; while it keeps a batch size from drafting, each replan moves it
+# KEPT_RECOVERY of the way back to 1, so drafting is tried again as acceptance changes.
+KEPT_RATE = 0.2
+KEPT_RECOVERY = 0.1
 LOG_INTERVAL_S = 10.0
 
 
@@ -111,9 +135,13 @@ class AdaptiveBudget:
     ) -> None:
         self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
         self.device = device
+        # target: a pass in a step without drafts to verify; verify: in a step with them (the
+        # same calibration; priced as ``target`` until a verifying step has been timed).
         self.target = CostCurve(max_tokens)
+        self.verify = CostCurve(max_tokens)
         self.level = CostCurve(max_batch * topk)
         self.overhead = 0.0
+        self.draft_overhead: float | None = None  # None: not measured yet, ``overhead`` stands in
         self.acceptance = AcceptanceModel(depth, topk)
         # [depth, 2 * topk + 2]: trials | accepts per (depth, rank), then per depth the summed
         # exp(value) of verified nodes and their accepted count.
@@ -124,10 +152,14 @@ class AdaptiveBudget:
         self.fixed = _fixed_costs()
         if self.fixed is not None:
             self._set_linear(self.target, *self.fixed["target"])
+            self._set_linear(self.verify, *self.fixed["target"])
             self._set_linear(self.level, *self.fixed["level"])
             self.overhead = self.fixed["overhead"]
-        self._plans: dict[int, tuple[int, DraftPlan]] = {}
+        self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}
+        self._kept: dict[int, float] = {}
         self._step = 0
+        self._step_verifies = False  # this step verifies the drafts of the step before
+        self._step_drafted = False  # this step sent drafts
         self._step_host: float | None = None
         self._step_mark: Any = None
         self._step_tokens = 0
@@ -140,6 +172,7 @@ class AdaptiveBudget:
         self.nodes_per_step: Counter[int] = Counter()
         self.nodes_per_request: Counter[int] = Counter()
         self.shapes: Counter[tuple[int, int]] = Counter()
+        self.replans = 0
         self._logged_at = time.monotonic()
 
     @staticmethod
@@ -161,7 +194,9 @@ class AdaptiveBudget:
             for knot in curve.knots:
                 seconds = min(run(int(knot)) for _ in range(2))
                 curve.set(int(knot), seconds)
-                if seconds > CALIBRATION_PASS_S:
+                if curve is self.target:
+                    self.verify.set(int(knot), seconds)
+                if seconds > CALIBRATION_PASS_S and knot >= CALIBRATION_MIN_TOKENS:
                     break
         logger.info(
             "eagle2 adaptive budget: calibrated in %.1f s; target %s; draft level %s",
@@ -180,8 +215,14 @@ class AdaptiveBudget:
         """The runner starts a step over ``tokens`` scheduled tokens."""
         now = time.perf_counter()
         if self._step_host is not None and self.fixed is None:
-            other = now - self._step_host - self._step_target - self._step_draft
-            self.overhead += 0.1 * (max(other, 0.0) - self.overhead)
+            other = max(now - self._step_host - self._step_target - self._step_draft, 0.0)
+            if self._step_verifies or self._step_drafted:
+                # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
+                last = self.overhead if self.draft_overhead is None else self.draft_overhead
+                self.draft_overhead = last + OVERHEAD_RATE * (other - last)
+            else:
+                self.overhead += OVERHEAD_RATE * (other - self.overhead)
+        self._step_verifies, self._step_drafted = self._step_drafted, False
         self._step_host = now
         self._step_mark = self.clock.mark()
         self._step_tokens = tokens
@@ -192,11 +233,12 @@ class AdaptiveBudget:
         if self._step_mark is None:
             return
         tokens = self._step_tokens
+        curve = self.verify if self._step_verifies else self.target
 
         def sink(seconds: float) -> None:
             self._step_target = seconds
             if self.fixed is None:
-                self.target.observe(tokens, seconds)
+                curve.observe(tokens, seconds)
 
         self.clock.measure(self._step_mark, self.clock.mark(), sink)
         self._step_mark = None
@@ -271,40 +313,75 @@ class AdaptiveBudget:
         return torch.cat([mass.new_ones(1), (accepted + 1.0) / (mass + 1.0)])
 
     # -- decisions -----------------------------------------------------------------------------
+    def _costs(self) -> dict[str, Any]:
+        """The cost model as :func:`plan_draft` and :func:`step_cost` take it."""
+        return {
+            "target": self.target,
+            "verify": self.verify if self.verify.observed else self.target,
+            "level": self.level,
+            "overhead": self.overhead,
+            "draft_overhead": self.overhead if self.draft_overhead is None else self.draft_overhead,
+        }
+
     def plan(self, batch: int) -> DraftPlan:
-        """This step's draft shape for ``batch`` requests (cached for ``REPLAN_STEPS`` steps)."""
+        """This step's draft shape for ``batch`` requests.
+
+        Cached per batch size for ``REPLAN_STEPS`` steps, unless the cost model now prices the
+        cached plan, or a step without drafts, ``REPLAN_DRIFT`` away from what it did when it
+        chose: a plan chosen on a price the first steps proved wrong is dropped at once.
+        """
         self._step += 1
+        costs = self._costs()
         cached = self._plans.get(batch)
         if cached is not None and self._step - cached[0] < REPLAN_STEPS:
-            return cached[1]
+            step, plan, planned, planned_none = cached
+            none = step_cost(DraftPlan(0, 0, 0, 0, 0.0), batch, **costs)
+            now = step_cost(plan, batch, **costs) if plan.drafts else none
+            drift = max(abs(now - planned) / planned, abs(none - planned_none) / planned_none)
+            if drift <= REPLAN_DRIFT:
+                return plan
+            self.replans += 1
         plan = plan_draft(
             batch,
             max_depth=self.depth,
             max_topk=self.topk,
             max_nodes=self.max_nodes,
             acceptance=self.acceptance.p,
-            target=self.target,
-            level=self.level,
-            overhead=self.overhead,
             chain_only=self.chain,
+            **costs,
         )
-        self._plans[batch] = (self._step, plan)
-        return plan
+        none = step_cost(DraftPlan(0, 0, 0, 0, 0.0), batch, **costs)
+        seconds = step_cost(plan, batch, **costs)
+        kept = self._kept.get(batch, 1.0)
+        realized = with_kept_fraction(plan, batch, kept, seconds, none)
+        if plan.drafts and not realized.drafts:
+            self._kept[batch] = kept + KEPT_RECOVERY * (1.0 - kept)
+        self._plans[batch] = (self._step, realized, seconds if realized.drafts else none, none)
+        return realized
 
     def allocate(
         self, plan: DraftPlan, values: torch.Tensor, depths: torch.Tensor, allowed: torch.Tensor
     ) -> torch.Tensor:
         """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`)."""
         batch, n = values.shape
+        costs = self._costs()
         j = np.arange(batch * n + 1, dtype=np.float64)
         draft = self.level(batch) + (plan.depth - 1) * self.level(batch * plan.topk)
-        seconds = self.target(batch + j) + draft + self.overhead
+        # Sending no drafts after all spares the next step its verification.
+        seconds = costs["verify"](batch + j) + costs["draft_overhead"]
+        seconds[0] = float(self.target(batch)) + self.overhead
+        seconds = seconds + draft
         step_seconds = torch.from_numpy(seconds.astype(np.float32)).to(values.device, non_blocking=True)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
 
     def count_step(self, plan: DraftPlan, counts: list[int]) -> None:
         """Metrics of one step: the plan and the drafts sent for each request."""
         total = sum(counts)
+        if plan.drafts and counts:
+            sent = total / (plan.per_request * len(counts))
+            kept = self._kept.get(len(counts), 1.0)
+            self._kept[len(counts)] = kept + KEPT_RATE * (min(sent, 1.0) - kept)
+        self._step_drafted = total > 0
         self.steps += 1
         self.steps_without_drafts += total == 0
         self.nodes_per_step[total] += 1
@@ -327,4 +404,7 @@ class AdaptiveBudget:
             "drafts_per_request": {str(n): c for n, c in sorted(self.nodes_per_request.items())},
             "shapes": {f"d{d}k{k}": c for (d, k), c in sorted(self.shapes.items())},
             "overhead_ms": self.overhead * 1e3,
+            "draft_overhead_ms": None if self.draft_overhead is None else self.draft_overhead * 1e3,
+            "replans": self.replans,
+            "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},
         }

@@ -20,7 +20,7 @@ measurements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ __all__ = [
     "allocate_nodes",
     "expected_accepted",
     "plan_draft",
+    "step_cost",
+    "with_kept_fraction",
 ]
 
 
@@ -47,6 +49,10 @@ class CostCurve:
       keeps the base curve's shape scaled to the nearest observed knot: a start-up
       calibration that prices every pass at a third of the real cost is corrected for all
       sizes by the sizes the engine actually runs.
+
+    The base curve is made non-decreasing from the top (a knot costs at most what the next
+    larger one does): on a shared machine a calibration pass can stall, and a stalled small
+    knot would otherwise price every size above it as nearly free.
     """
 
     def __init__(self, max_tokens: int) -> None:
@@ -55,6 +61,11 @@ class CostCurve:
         self._base = np.full(len(self.knots), np.nan)
         self._live = np.full(len(self.knots), np.nan)
         self._values: np.ndarray | None = None
+
+    @property
+    def observed(self) -> bool:
+        """Whether any knot has been observed (not only calibrated)."""
+        return bool(np.isfinite(self._live).any())
 
     @property
     def ready(self) -> bool:
@@ -84,12 +95,16 @@ class CostCurve:
             if not self.ready:
                 raise RuntimeError("CostCurve has no measurement yet")
             live = np.isfinite(self._live)
-            if not np.isfinite(self._base).any():
+            base = None
+            if np.isfinite(self._base).any():
+                # Stalls only ever add time: the smaller of two calibrated costs is the truer one.
+                base = np.minimum.accumulate(self._filled(self._base)[::-1])[::-1]
+            if base is None:
                 self._values = self._filled(self._live)
             elif not live.any():
-                self._values = self._filled(self._base)
+                self._values = base
             else:
-                base = np.maximum(self._filled(self._base), 1e-12)
+                base = np.maximum(base, 1e-12)
                 observed = np.flatnonzero(live)
                 pos = np.arange(len(self.knots))
                 right = np.clip(np.searchsorted(observed, pos), 0, len(observed) - 1)
@@ -110,11 +125,15 @@ class CostCurve:
         slope = max((y[-1] - y[-2]) / (self.knots[-1] - self.knots[-2]), 0.0) if len(y) > 1 else y[0]
         return np.where(t > self.knots[-1], y[-1] + slope * (t - self.knots[-1]), inside)
 
-    def observe(self, tokens: float, seconds: float, rate: float = 0.2) -> None:
+    def observe(self, tokens: float, seconds: float, rate: float = 0.5) -> None:
         """Move the curve at ``tokens`` a step ``rate`` towards ``seconds`` (least mean squares).
 
-        The error is clipped to half the prediction, so one stalled pass cannot wreck the
-        curve. On a curve with no knot yet, the observation sets the nearest knot.
+        The error is clipped to [-0.5, +1] times the prediction, so one stalled pass moves the
+        curve by at most ``rate`` times its value, and the next few passes undo it. The rate is
+        high because a wrong price is paid every step until it is corrected: a calibration 3.5x
+        too cheap is corrected in about four steps (a fifth of the way with the error clipped
+        to half the prediction took over a dozen, each of them a step that drafted at a loss).
+        On a curve with no knot yet, the observation sets the nearest knot.
         """
         t = min(max(float(tokens), 1.0), self.knots[-1])
         if not self.ready:
@@ -126,7 +145,7 @@ class CostCurve:
         lo = max(hi - 1, 0)
         w_hi = 1.0 if hi == lo else (t - self.knots[lo]) / (self.knots[hi] - self.knots[lo])
         predicted = (1 - w_hi) * y[lo] + w_hi * y[hi]
-        err = float(np.clip(seconds - predicted, -0.5 * predicted, 0.5 * predicted))
+        err = float(np.clip(seconds - predicted, -0.5 * predicted, predicted))
         for knot, weight in ((lo, 1 - w_hi), (hi, w_hi)):
             if weight > 0:  # a knot the measurement does not touch keeps following its neighbours
                 self._live[knot] = y[knot] + rate * weight * err
@@ -228,34 +247,41 @@ def plan_draft(
     level: CostCurve,
     overhead: float,
     chain_only: bool = False,
+    verify: CostCurve | None = None,
+    draft_overhead: float | None = None,
 ) -> DraftPlan:
     """The draft shape and size that maximise the next step's expected tokens per second.
 
     A plan of shape (d, k) with n nodes per request is expected to yield
     ``batch * (1 + E[d, k, n])`` tokens (:func:`expected_accepted`) in
-    ``target(batch * (1 + n)) + level(batch) + (d - 1) * level(batch * k) + overhead``
+    ``verify(batch * (1 + n)) + level(batch) + (d - 1) * level(batch * k) + draft_overhead``
     seconds: verification of every node, the root level and ``d - 1`` expansion levels of
-    the draft, and the step's fixed costs; no drafts yield ``batch`` tokens in
-    ``target(batch) + overhead``. Every d <= ``max_depth``, k <= ``max_topk`` (k = 1 only
-    when ``chain_only``) and n <= ``max_nodes`` is considered.
+    the draft, and the fixed costs of a step that drafts; no drafts yield ``batch`` tokens in
+    ``target(batch) + overhead`` (:func:`step_cost`). Every d <= ``max_depth``,
+    k <= ``max_topk`` (k = 1 only when ``chain_only``) and n <= ``max_nodes`` is considered.
 
     Args:
         batch: requests in the step (>= 1).
         acceptance: [>= max_depth, >= max_topk] acceptance rates (:attr:`AcceptanceModel.p`).
-        target: seconds of a target pass by tokens; level: seconds of a draft level by rows.
-        overhead: seconds every step costs besides these passes.
+        target: seconds of a target pass by tokens in a step without drafts to verify;
+            verify: the same in a step that verifies drafts (default ``target``); level:
+            seconds of a draft level by rows.
+        overhead / draft_overhead: seconds a step without / with drafts costs besides these
+            passes (``draft_overhead`` defaults to ``overhead``).
     """
+    verify = target if verify is None else verify
+    draft_overhead = overhead if draft_overhead is None else draft_overhead
     none_rate = batch / (float(target(batch)) + overhead)
     best = DraftPlan(0, 0, 0, 0, none_rate)
     n = np.arange(max_nodes + 1, dtype=np.float64)
-    verify = target(batch * (1 + n))
+    verified = verify(batch * (1 + n))
     root = float(level(batch))
     for k in [1] if chain_only else range(1, max_topk + 1):
         expand = float(level(batch * k))
         for d in range(1, max_depth + 1):
             if chain_only and d > max_nodes:
                 break
-            cost = verify + root + (d - 1) * expand + overhead
+            cost = verified + root + (d - 1) * expand + draft_overhead
             size = min(max_nodes, _pool_size(d, k))
             gain = expected_accepted(acceptance, d, k, size)
             rate = batch * (1 + gain) / cost[: size + 1]
@@ -264,6 +290,51 @@ def plan_draft(
             if rate[j] > best.rate:
                 best = DraftPlan(d, k, size, j, float(rate[j]))
     return best
+
+
+def step_cost(
+    plan: DraftPlan,
+    batch: int,
+    *,
+    target: CostCurve,
+    level: CostCurve,
+    overhead: float,
+    verify: CostCurve | None = None,
+    draft_overhead: float | None = None,
+) -> float:
+    """Predicted seconds of a step of ``batch`` requests that drafts by ``plan``.
+
+    The cost :func:`plan_draft` weighs for that plan (with ``plan.per_request`` nodes per
+    request); arguments as there. Cheap (a few curve lookups): the engine re-prices a cached
+    plan with it every step and plans afresh once the price has moved.
+    """
+    if not plan.drafts:
+        return float(target(batch)) + overhead
+    verify = target if verify is None else verify
+    draft_overhead = overhead if draft_overhead is None else draft_overhead
+    draft = float(level(batch)) + (plan.depth - 1) * float(level(batch * plan.topk))
+    return float(verify(batch * (1 + plan.per_request))) + draft + draft_overhead
+
+
+def with_kept_fraction(
+    plan: DraftPlan, batch: int, kept: float, plan_seconds: float, none_seconds: float
+) -> DraftPlan:
+    """``plan`` re-rated for the share ``kept`` of its drafts that the allocation will send, or no
+    drafts when that rate no longer beats a step without drafts.
+
+    The plan prices acceptance from tree positions; :func:`allocate_nodes` keeps a node only if
+    its own calibrated value pays for it, so it may send fewer nodes than planned (measured: half
+    a node per step for one-node plans at batch 4). The drafting is paid in full either way, so
+    the plan's expected gain shrinks by ``kept`` (the engine's running fraction of planned drafts
+    sent) while its cost ``plan_seconds`` stays; ``none_seconds`` prices a step without drafts.
+    """
+    if not plan.drafts:
+        return plan
+    gain = plan.rate * plan_seconds / batch - 1.0
+    rate = batch * (1.0 + kept * gain) / plan_seconds
+    if rate <= batch / none_seconds:
+        return DraftPlan(0, 0, 0, 0, batch / none_seconds)
+    return replace(plan, rate=rate)
 
 
 def allocate_nodes(
