@@ -31,9 +31,12 @@ from typing import Any
 
 import torch
 
+from vllm_eagle2.training import log
+from vllm_eagle2.training.head import build_head
+from vllm_eagle2.training.loop import TrainConfig, evaluate, train
+from vllm_eagle2.training.loss import CE_WEIGHT
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))  # scripts/ is not a package
-import train_eagle_head as trainer  # noqa: E402
 
 # train_eagle_head.py's held-out splits: ShareGPT conversations, and the --eval-distilled replies
 SPLIT_LABELS = {"eval": "ShareGPT", "eval_distilled": "distilled answers"}
@@ -60,7 +63,7 @@ def run(
     train_shards: Sequence[dict[str, Any]],
     eval_sets: dict[str, Sequence[dict[str, Any]]],
     prefixes: Sequence[int],
-    cfg: trainer.TrainConfig,
+    cfg: TrainConfig,
 ) -> list[dict[str, Any]]:
     """One head per prefix: trained from the same init on ``train_shards[:k]`` with ``cfg``, then
     evaluated on every held-out set. Returns one row per prefix:
@@ -69,15 +72,13 @@ def run(
     for k in prefixes:
         shards = train_shards[:k]
         tokens = sum(sum(s["lengths"]) for s in shards)
-        trainer.log(f"head {len(rows) + 1}/{len(prefixes)}: {k} shard(s), {tokens} tokens")
-        head = trainer.build_head(target, init="target", seed=cfg.seed)
+        log(f"head {len(rows) + 1}/{len(prefixes)}: {k} shard(s), {tokens} tokens")
+        head = build_head(target, init="target", seed=cfg.seed)
         t0 = time.perf_counter()
-        trainer.train(head, fdir, shards, None, cfg)
+        train(head, fdir, shards, None, cfg)
         seconds = time.perf_counter() - t0
-        evals = {name: trainer.evaluate(head, fdir, s, cfg.batch_tokens) for name, s in eval_sets.items()}
-        trainer.log(
-            f"  {tokens} tokens: " + ", ".join(f"{n} top-1 {e['top1']:.3f}" for n, e in evals.items())
-        )
+        evals = {name: evaluate(head, fdir, s, cfg.batch_tokens) for name, s in eval_sets.items()}
+        log(f"  {tokens} tokens: " + ", ".join(f"{n} top-1 {e['top1']:.3f}" for n, e in evals.items()))
         rows.append({"shards": k, "tokens": tokens, "train_seconds": seconds, "eval": evals})
     return rows
 
@@ -191,8 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=4, help=same)
     p.add_argument("--lr", type=float, default=1e-3, help=same)
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help=same)
-    p.add_argument("--batch-tokens", type=int, default=trainer.TrainConfig.batch_tokens, help=same)
-    p.add_argument("--ce-weight", type=float, default=trainer.CE_WEIGHT, help=same)
+    p.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens, help=same)
+    p.add_argument("--ce-weight", type=float, default=CE_WEIGHT, help=same)
     p.add_argument("--vocab-subset", type=int, default=8192, help=same)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goal", type=float, default=0.6, help="top-1 to extrapolate the data for")
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, split in manifest["splits"].items()
         if name != "train"
     }
-    cfg = trainer.TrainConfig(
+    cfg = TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,

@@ -1,4 +1,4 @@
-"""The head trainer's core (scripts/train_eagle_head.py) on a tiny seeded target, no engine start.
+"""The head trainer's core (vllm_eagle2.training) on a tiny seeded target, no engine start.
 
 Synthetic token sequences run through a tiny "partial" target; features go to shards; a few steps of
 training must lower the loss; the exported head must be in vLLM's eagle format (config accepted by
@@ -20,6 +20,12 @@ import torch
 
 from vllm_eagle2 import datasets
 from vllm_eagle2.tiny_models import EagleHeadReference, build_target
+from vllm_eagle2.training.cli import main, parse_args
+from vllm_eagle2.training.conversations import Sequences, load_distilled, render_conversation
+from vllm_eagle2.training.features import TARGET_TOPK, frequent_vocab, write_feature_shards
+from vllm_eagle2.training.head import build_head, export_head, load_head_weights
+from vllm_eagle2.training.loop import ShardReader, TrainConfig, evaluate, train
+from vllm_eagle2.training.loss import batch_loss, subset_vocab_loss, vocab_loss
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,20 +41,14 @@ def _load_script(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def trainer() -> ModuleType:
-    """The trainer script as a module."""
-    return _load_script("train_eagle_head")
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, trainer: ModuleType) -> dict:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Tiny target, synthetic sequences, feature shards."""
     from transformers import LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("train_head")
     target = build_target(root / "target", kind="partial", seed=0)
     gen = torch.Generator().manual_seed(0)
-    seqs = trainer.Sequences()
+    seqs = Sequences()
     for i in range(8):
         n = 40 + 4 * i
         seqs.ids.append(torch.randint(6, 512, (n,), generator=gen).tolist())
@@ -56,11 +56,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, trainer: ModuleType) -> dict
         seqs.names.append(f"synthetic-{i}")
     model = LlamaForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     fdir = root / "features"
-    shards = trainer.write_feature_shards(model, seqs, fdir, "train", shard_tokens=150)
+    shards = write_feature_shards(model, seqs, fdir, "train", shard_tokens=150)
     return {"root": root, "target": target, "fdir": fdir, "shards": shards, "seqs": seqs, "model": model}
 
 
-def test_feature_shards(setup: dict, trainer: ModuleType) -> None:
+def test_feature_shards(setup: dict) -> None:
     """Shards hold every token, the post-final-norm hidden state, the mask and the offsets."""
     from safetensors.torch import load_file
 
@@ -78,7 +78,7 @@ def test_feature_shards(setup: dict, trainer: ModuleType) -> None:
     # The target's top-K next-token log-probs, most likely first, from the stored bf16 hidden state.
     lm_head = setup["model"].lm_head.weight.detach().to(torch.bfloat16)
     logp = torch.log_softmax((data["hidden"][:n0] @ lm_head.T).float(), -1)
-    k = trainer.TARGET_TOPK
+    k = TARGET_TOPK
     assert data["topk_ids"].shape == (data["tokens"].numel(), k)
     # (ids compared through their log-probs: a bf16 matmul of another shape may order near-ties apart)
     stored = logp.gather(-1, data["topk_ids"][:n0].long())
@@ -87,17 +87,15 @@ def test_feature_shards(setup: dict, trainer: ModuleType) -> None:
 
 
 def test_a_grown_data_set_links_the_shards_it_shares_instead_of_extracting_them(
-    setup: dict, trainer: ModuleType, tmp_path: Path
+    setup: dict, tmp_path: Path
 ) -> None:
     """Appending sequences keeps the earlier full shards: they come from the content store, not the target."""
     seqs, model = setup["seqs"], setup["model"]
-    first = trainer.Sequences(ids=seqs.ids[:5], masks=seqs.masks[:5], names=seqs.names[:5])
+    first = Sequences(ids=seqs.ids[:5], masks=seqs.masks[:5], names=seqs.names[:5])
     store = tmp_path / "by-content"
 
     def extract(data: object, out: str, identity: bytes) -> list[dict]:
-        return trainer.write_feature_shards(
-            model, data, tmp_path / out, "train", 150, store=store, identity=identity
-        )
+        return write_feature_shards(model, data, tmp_path / out, "train", 150, store=store, identity=identity)
 
     extract(first, "a", b"t")
     calls: list[int] = []
@@ -116,47 +114,47 @@ def test_a_grown_data_set_links_the_shards_it_shares_instead_of_extracting_them(
     assert len(list(store.iterdir())) == len(grown) + len(setup["shards"])
 
 
-def test_subset_loss_equals_full_loss_over_the_whole_vocabulary(setup: dict, trainer: ModuleType) -> None:
+def test_subset_loss_equals_full_loss_over_the_whole_vocabulary(setup: dict) -> None:
     """With every token in the subset and in the soft label, the reduced CE is the full CE, gradient too."""
-    head = trainer.build_head(setup["target"], init="target", seed=0)
+    head = build_head(setup["target"], init="target", seed=0)
     gen = torch.Generator().manual_seed(3)
     out = torch.randn(12, 128, generator=gen)
     tgt = torch.randn(12, 128, generator=gen).to(torch.bfloat16)
     lm_head = head.lm_head_weight
     logp = torch.log_softmax((tgt @ lm_head.T).float(), -1)
     vals, ids = logp.topk(lm_head.shape[0], -1)
-    full = trainer.vocab_loss(out, tgt, lm_head, want_grad=True)
-    sub = trainer.subset_vocab_loss(out, ids.int(), vals, lm_head, torch.arange(512), want_grad=True)
+    full = vocab_loss(out, tgt, lm_head, want_grad=True)
+    sub = subset_vocab_loss(out, ids.int(), vals, lm_head, torch.arange(512), want_grad=True)
     assert sub[0] == pytest.approx(full[0], rel=1e-4)
     torch.testing.assert_close(sub[1], full[1], atol=1e-4, rtol=1e-3)
     assert sub[2:] == full[2:]
 
 
-def test_frequent_vocabulary_holds_the_targets_top_predictions(setup: dict, trainer: ModuleType) -> None:
+def test_frequent_vocabulary_holds_the_targets_top_predictions(setup: dict) -> None:
     """The reduced vocabulary is sorted, of the asked size, and led by the target's own top-1 tokens."""
     from safetensors.torch import load_file
 
-    vocab = trainer.frequent_vocab(setup["fdir"], setup["shards"], 64, 512)
+    vocab = frequent_vocab(setup["fdir"], setup["shards"], 64, 512)
     assert vocab.numel() == 64 and torch.equal(vocab, vocab.sort().values)
     top1 = torch.cat([load_file(str(setup["fdir"] / s["file"]))["topk_ids"][:, 0] for s in setup["shards"]])
     common = torch.bincount(top1.long(), minlength=512).argmax()
     assert common in vocab
 
 
-def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: Path) -> None:
+def test_loss_decreases_and_export(setup: dict, tmp_path: Path) -> None:
     """Two short epochs lower the loss; the exported head is in vLLM's format and matches the reference."""
     from safetensors.torch import load_file
 
     target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
-    head = trainer.build_head(target, init="target", seed=0)
-    before = trainer.evaluate(head, fdir, shards, batch_tokens=128)
+    head = build_head(target, init="target", seed=0)
+    before = evaluate(head, fdir, shards, batch_tokens=128)
     # The reduced-vocabulary CE (a third of the tiny vocabulary) still trains the head.
     # Depth 2 trains on the head's own features too.
-    cfg = trainer.TrainConfig(
+    cfg = TrainConfig(
         epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0, vocab_subset=160, depths=2
     )
     ckpt = tmp_path / "ckpt.pt"
-    history = trainer.train(head, fdir, shards, shards, cfg, checkpoint=ckpt, progress=False)
+    history = train(head, fdir, shards, shards, cfg, checkpoint=ckpt, progress=False)
     after = history["eval"][-1]
     assert len(history["steps"]) == history["total_steps"] >= 4
     assert after["loss"] < 0.9 * before["loss"], (before, after)
@@ -165,16 +163,16 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     assert ckpt.exists()
 
     # Resuming a finished run changes nothing and does not fail.
-    head2 = trainer.build_head(target, init="target", seed=0)
-    h2 = trainer.train(head2, fdir, shards, None, cfg, checkpoint=ckpt, resume=True, progress=False)
+    head2 = build_head(target, init="target", seed=0)
+    h2 = train(head2, fdir, shards, None, cfg, checkpoint=ckpt, resume=True, progress=False)
     assert h2["completed_epochs"] == 2
     for (k, a), b in zip(head.state_dict().items(), head2.state_dict().values()):
         assert torch.equal(a, b), k
 
-    out = trainer.export_head(head, tmp_path / "head", dtype=torch.float32)
+    out = export_head(head, tmp_path / "head", dtype=torch.float32)
     sd = load_file(str(out / "model.safetensors"))
-    head3 = trainer.build_head(target, init="random", seed=1)
-    trainer.load_head_weights(head3, out)  # --init-from
+    head3 = build_head(target, init="random", seed=1)
+    load_head_weights(head3, out)  # --init-from
     for (k, a), b in zip(head.state_dict().items(), head3.state_dict().values()):
         assert torch.equal(a, b), k
     h, inter = 128, 256
@@ -214,15 +212,13 @@ def test_loss_decreases_and_export(setup: dict, trainer: ModuleType, tmp_path: P
     torch.testing.assert_close(mine, ref.forward(tokens, hidden, pos), atol=1e-4, rtol=1e-4)
 
 
-def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
-    setup: dict, trainer: ModuleType
-) -> None:
+def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(setup: dict) -> None:
     """--reg-only-ratio 0.5: the first half of the steps are those of CE weight 0, the rest add the CE."""
 
     def run(**kw: float) -> tuple[list[float], dict]:
-        head = trainer.build_head(setup["target"], init="target", seed=0)
-        cfg = trainer.TrainConfig(epochs=1, lr=3e-3, batch_tokens=64, seed=0, warmup_ratio=0.0, **kw)
-        history = trainer.train(head, setup["fdir"], setup["shards"], None, cfg, progress=False)
+        head = build_head(setup["target"], init="target", seed=0)
+        cfg = TrainConfig(epochs=1, lr=3e-3, batch_tokens=64, seed=0, warmup_ratio=0.0, **kw)
+        history = train(head, setup["fdir"], setup["shards"], None, cfg, progress=False)
         # the gradient's norm is logged before clipping, so it sees whether the CE was in the loss
         return [s["grad_norm"] for s in history["steps"]], head.state_dict()
 
@@ -236,7 +232,7 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(
     assert warm[0] != full[0]
     assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
     with pytest.raises(SystemExit):  # argparse: "argument --reg-only-ratio: 1.5 not in [0, 1]"
-        trainer.parse_args(["--reg-only-ratio", "1.5"])
+        parse_args(["--reg-only-ratio", "1.5"])
 
 
 def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
@@ -272,7 +268,7 @@ def test_data_scaling_gives_no_fit_over_less_than_one_doubling(tmp_path: Path) -
 
 
 def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
-    setup: dict, trainer: ModuleType, tmp_path: Path
+    setup: dict, tmp_path: Path
 ) -> None:
     """One head per shard prefix, each exactly as train() on that prefix alone; JSON, table and PNG."""
     scaling = _load_script("head_data_scaling")
@@ -293,10 +289,10 @@ def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
         sum(shards[0]["lengths"]),
         sum(shards[0]["lengths"] + shards[1]["lengths"]),
     ]
-    head = trainer.build_head(setup["target"], init="target", seed=0)
-    cfg = trainer.TrainConfig(epochs=1, lr=3e-3, min_lr_ratio=0.05, batch_tokens=64, vocab_subset=0, seed=0)
-    trainer.train(head, fdir, shards[:2], None, cfg, progress=False)
-    alone = trainer.evaluate(head, fdir, shards[-1:], 64)
+    head = build_head(setup["target"], init="target", seed=0)
+    cfg = TrainConfig(epochs=1, lr=3e-3, min_lr_ratio=0.05, batch_tokens=64, vocab_subset=0, seed=0)
+    train(head, fdir, shards[:2], None, cfg, progress=False)
+    alone = evaluate(head, fdir, shards[-1:], 64)
     assert rows[1]["eval"]["ShareGPT"] == pytest.approx(alone)
     assert rows[0]["eval"]["ShareGPT"]["loss"] != pytest.approx(alone["loss"])
     assert set(record["fits"]) == {"ShareGPT"}
@@ -305,15 +301,15 @@ def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
 
 
 def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
-    setup: dict, trainer: ModuleType, tmp_path: Path
+    setup: dict, tmp_path: Path
 ) -> None:
     """Layer 1 has an input norm (vLLM builds one for every layer but the first) and reads layer 0."""
     from safetensors.torch import load_file
     from vllm.transformers_utils.config import get_config
     from vllm.transformers_utils.configs.eagle import EAGLEConfig
 
-    head = trainer.build_head(setup["target"], init="random", seed=3, num_layers=2)
-    out = trainer.export_head(head, tmp_path / "head", dtype=torch.float32)
+    head = build_head(setup["target"], init="random", seed=3, num_layers=2)
+    out = export_head(head, tmp_path / "head", dtype=torch.float32)
     keys = set(load_file(str(out / "model.safetensors")))
     assert "layers.1.input_layernorm.weight" in keys and "layers.0.input_layernorm.weight" not in keys
     eagle = EAGLEConfig(get_config(str(out), trust_remote_code=False), method="eagle", model_type="eagle")
@@ -326,14 +322,12 @@ def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
     torch.testing.assert_close(mine, ref.forward(tokens, hidden), atol=1e-4, rtol=1e-4)
 
 
-def test_a_head_grown_by_a_layer_starts_with_the_smaller_heads_outputs(
-    setup: dict, trainer: ModuleType, tmp_path: Path
-) -> None:
+def test_a_head_grown_by_a_layer_starts_with_the_smaller_heads_outputs(setup: dict, tmp_path: Path) -> None:
     """--num-layers 2 --init-from a 1-layer head: the new layer starts as the identity, at every depth."""
-    small = trainer.build_head(setup["target"], init="random", seed=4)
-    out = trainer.export_head(small, tmp_path / "small", dtype=torch.float32)
-    grown = trainer.build_head(setup["target"], init="target", seed=0, num_layers=2)
-    trainer.load_head_weights(grown, out)
+    small = build_head(setup["target"], init="random", seed=4)
+    out = export_head(small, tmp_path / "small", dtype=torch.float32)
+    grown = build_head(setup["target"], init="target", seed=0, num_layers=2)
+    load_head_weights(grown, out)
     gen = torch.Generator().manual_seed(6)
     tokens, hidden = torch.randint(6, 512, (16,), generator=gen), torch.randn(16, 128, generator=gen)
     args = (tokens, hidden, torch.arange(16), [16], 3)
@@ -341,20 +335,20 @@ def test_a_head_grown_by_a_layer_starts_with_the_smaller_heads_outputs(
         for a, b in zip(small.forward_unrolled(*args), grown.forward_unrolled(*args)):
             torch.testing.assert_close(a, b)
     # Fewer layers than the saved head is a mismatch, not a silent truncation.
-    two = trainer.export_head(grown, tmp_path / "two", dtype=torch.float32)
+    two = export_head(grown, tmp_path / "two", dtype=torch.float32)
     with pytest.raises(SystemExit, match="extra"):
-        trainer.load_head_weights(trainer.build_head(setup["target"], init="random", seed=0), two)
+        load_head_weights(build_head(setup["target"], init="random", seed=0), two)
 
 
 def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_plain_one(
-    setup: dict, trainer: ModuleType, tmp_path: Path
+    setup: dict, tmp_path: Path
 ) -> None:
     """--aux-layers: shards hold the residual stream entering the listed target layers; a head grown
     with those inputs from a plain one starts with its outputs, and training reaches the new weights."""
     from safetensors.torch import load_file
 
-    seqs = trainer.Sequences(ids=setup["seqs"].ids[:2], masks=setup["seqs"].masks[:2])
-    shards = trainer.write_feature_shards(
+    seqs = Sequences(ids=setup["seqs"].ids[:2], masks=setup["seqs"].masks[:2])
+    shards = write_feature_shards(
         setup["model"], seqs, tmp_path / "features", "train", 10_000, aux_layers=(1, 0)
     )
     data = load_file(str(tmp_path / "features" / shards[0]["file"]))
@@ -365,38 +359,36 @@ def test_aux_layer_features_are_stored_and_a_head_reading_them_starts_as_the_pla
     assert data["aux"].dtype == torch.bfloat16 and data["aux"].shape == (data["tokens"].numel(), 2 * 128)
     torch.testing.assert_close(data["aux"][:n0].float(), ref, atol=0.05, rtol=0.02)
 
-    plain = trainer.export_head(
-        trainer.build_head(setup["target"], init="random", seed=7), tmp_path / "plain", dtype=torch.float32
+    plain = export_head(
+        build_head(setup["target"], init="random", seed=7), tmp_path / "plain", dtype=torch.float32
     )
-    small = trainer.build_head(setup["target"], init="random", seed=0)
-    trainer.load_head_weights(small, plain)
-    grown = trainer.build_head(setup["target"], init="target", seed=0, aux_layers=(1, 0))
-    trainer.load_head_weights(grown, plain)
-    batch = trainer.ShardReader(tmp_path / "features", shards).batch(0, [0, 1])
+    small = build_head(setup["target"], init="random", seed=0)
+    load_head_weights(small, plain)
+    grown = build_head(setup["target"], init="target", seed=0, aux_layers=(1, 0))
+    load_head_weights(grown, plain)
+    batch = ShardReader(tmp_path / "features", shards).batch(0, [0, 1])
     assert batch.aux_in is not None and batch.aux_in.shape == (batch.tokens.numel(), 2 * 128)
     args = (batch.tokens, batch.hidden_in, batch.positions, batch.seq_lens, 2)
     with torch.no_grad():
         for a, b in zip(small.forward_unrolled(*args), grown.forward_unrolled(*args, batch.aux_in)):
             torch.testing.assert_close(a, b)
-    trainer.batch_loss(grown, batch, train=True, depths=2)
+    batch_loss(grown, batch, train=True, depths=2)
     assert grown.aux_fc.weight.grad is not None and grown.aux_fc.weight.grad.abs().sum() > 0
     with pytest.raises(SystemExit, match="aux-layers"):
-        trainer.build_head(setup["target"], init="random", aux_layers=(2,))
+        build_head(setup["target"], init="random", aux_layers=(2,))
     out, features = tmp_path / "o", tmp_path / "f"
     with pytest.raises(SystemExit, match="aux-layers"):
-        trainer.main(
+        main(
             ["--target", str(setup["target"]), "--aux-layers", "2", "--output", str(out)]
             + ["--feature-dir", str(features)]
         )
     assert not out.exists() and not features.exists(), "--aux-layers is checked before any data is read"
 
 
-def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
-    setup: dict, trainer: ModuleType
-) -> None:
+def test_unrolled_depths_read_their_own_features_over_the_teacher_context(setup: dict) -> None:
     """Depth s at row r is the head run causally on rows whose features are the target's up to row
     r - s + 1, then the head's own outputs of depths 1..s-1, one row each (how the drafter runs)."""
-    head = trainer.build_head(setup["target"], init="random", seed=2)
+    head = build_head(setup["target"], init="random", seed=2)
     gen = torch.Generator().manual_seed(4)
     lens = [9, 7]  # two packed sequences
     tokens = torch.randint(6, 512, (sum(lens),), generator=gen)
@@ -418,7 +410,7 @@ def test_unrolled_depths_read_their_own_features_over_the_teacher_context(
             start += n
 
 
-def test_distilled_replies_are_masked_and_held_out_ids_dropped(trainer: ModuleType, tmp_path: Path) -> None:
+def test_distilled_replies_are_masked_and_held_out_ids_dropped(tmp_path: Path) -> None:
     """distill_target.py's JSONL trains on the reply only, and never on a held-out prompt."""
     from transformers import AutoTokenizer
 
@@ -431,13 +423,13 @@ def test_distilled_replies_are_masked_and_held_out_ids_dropped(trainer: ModuleTy
         for i, q, a in (("a", "say hi", "hi there friend"), ("held", "secret prompt", "secret reply"))
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    seqs = trainer.load_distilled(tok, [path], 1000, exclude={"held"})
+    seqs = load_distilled(tok, [path], 1000, exclude={"held"})
     assert seqs.names == ["a"]
     reply = tok.decode([t for t, m in zip(seqs.ids[0], seqs.masks[0]) if m])
     assert "hi there friend" in reply and "say hi" not in reply
 
 
-def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) -> None:
+def test_render_mask_and_sharegpt_reader(tmp_path: Path) -> None:
     """Assistant spans are masked through the chat template; the reader stops at a truncated tail."""
     from transformers import AutoTokenizer
 
@@ -454,7 +446,7 @@ def test_render_mask_and_sharegpt_reader(trainer: ModuleType, tmp_path: Path) ->
         }
     )
     assert [m["role"] for m in msgs] == ["user", "assistant"]
-    ids, mask = trainer.render_conversation(tok, msgs, 1000)
+    ids, mask = render_conversation(tok, msgs, 1000)
     reply = tok.decode([t for t, m in zip(ids, mask) if m])
     assert "return x + 1" in reply and "def f" not in reply
 

@@ -1,4 +1,23 @@
-"""Making EAGLE heads: committed distilled replies (and, later, features and training).
+"""Making EAGLE heads: data, features, the trainable head, losses and the training loop.
 
 Nothing here is imported by the serving plugin; it needs torch and transformers, not vLLM.
+``scripts/train_eagle_head.py`` is the command line; the pipeline it runs is described in
+:mod:`vllm_eagle2.training.recipe`.
+
+- ``conversations``: ShareGPT and distilled conversations as token ids plus assistant-reply masks.
+- ``replies``: the committed distilled replies (``scripts/generate_replies.py``).
+- ``features``: the target's frozen tensors and the content-addressed feature shards.
+- ``head``: the trainable EAGLE head; build, load and export in vLLM's ``eagle`` format.
+- ``loss``: packed batches and the EAGLE loss (regression plus CE, per drafting depth).
+- ``loop``: epoch plans, shard streaming, held-out evaluation, the training loop with checkpoints.
+- ``recipe`` / ``cli``: the whole run (data, features, training, export, ``training.json``) and its options.
 """
+
+from __future__ import annotations
+
+import sys
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr, flushed at once."""
+    print(f"[train_eagle_head] {msg}", file=sys.stderr, flush=True)
