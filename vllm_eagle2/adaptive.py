@@ -37,6 +37,7 @@ from vllm_eagle2.budget import (
     CostCurve,
     DraftPlan,
     allocate_nodes,
+    expected_accepted,
     plan_draft,
     step_cost,
     with_kept_fraction,
@@ -353,7 +354,14 @@ class AdaptiveBudget:
         none = step_cost(DraftPlan(0, 0, 0, 0, 0.0), batch, **costs)
         seconds = step_cost(plan, batch, **costs)
         kept = self._kept.get(batch, 1.0)
-        realized = with_kept_fraction(plan, batch, kept, seconds, none)
+        share = 1.0
+        if plan.drafts:
+            # The allocation sends the best nodes first: sending a fraction of the planned
+            # nodes keeps the gain of that many best nodes, not that fraction of the gain.
+            gains = expected_accepted(self.acceptance.p, plan.depth, plan.topk, plan.per_request)
+            if gains[-1] > 0:
+                share = float(gains[int(round(kept * plan.per_request))] / gains[-1])
+        realized = with_kept_fraction(plan, batch, share, seconds, none)
         if plan.drafts and not realized.drafts:
             self._kept[batch] = kept + KEPT_RECOVERY * (1.0 - kept)
         self._plans[batch] = (self._step, realized, seconds if realized.drafts else none, none)

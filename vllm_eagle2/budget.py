@@ -317,21 +317,22 @@ def step_cost(
 
 
 def with_kept_fraction(
-    plan: DraftPlan, batch: int, kept: float, plan_seconds: float, none_seconds: float
+    plan: DraftPlan, batch: int, share: float, plan_seconds: float, none_seconds: float
 ) -> DraftPlan:
-    """``plan`` re-rated for the share ``kept`` of its drafts that the allocation will send, or no
-    drafts when that rate no longer beats a step without drafts.
+    """``plan`` re-rated for the ``share`` of its expected gain that the drafts the allocation will
+    send can bring, or no drafts when that rate no longer beats a step without drafts.
 
     The plan prices acceptance from tree positions; :func:`allocate_nodes` keeps a node only if
     its own calibrated value pays for it, so it may send fewer nodes than planned (measured: half
-    a node per step for one-node plans at batch 4). The drafting is paid in full either way, so
-    the plan's expected gain shrinks by ``kept`` (the engine's running fraction of planned drafts
-    sent) while its cost ``plan_seconds`` stays; ``none_seconds`` prices a step without drafts.
+    a node per step for one-node plans at batch 4), while the drafting is paid in full. The
+    caller turns the fraction of planned drafts sent into ``share`` (the best nodes go first, so
+    sending 3 of 4 keeps most of the gain); ``plan_seconds`` is the plan's cost and
+    ``none_seconds`` a step's without drafts.
     """
     if not plan.drafts:
         return plan
     gain = plan.rate * plan_seconds / batch - 1.0
-    rate = batch * (1.0 + kept * gain) / plan_seconds
+    rate = batch * (1.0 + share * gain) / plan_seconds
     if rate <= batch / none_seconds:
         return DraftPlan(0, 0, 0, 0, batch / none_seconds)
     return replace(plan, rate=rate)
