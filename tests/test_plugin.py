@@ -275,24 +275,31 @@ def test_vllm_0_32_patch_releases_are_supported():
     assert unsupported_reason("0.32.1") is None
 
 
-def test_vllm_rejection_sampler_expands_request_values_to_their_draft_tokens():
-    """On the CPU build, the per-request temperature / top-k of vLLM's own sampler reach each draft token."""
-    import torch
+def test_vllm_rejection_sampler_expands_request_values_to_their_draft_tokens_with_the_opt_in(monkeypatch):
+    """On the CPU build, with ``VLLM_EAGLE2_FIX_VLLM_CPU=1``, the per-request temperature / top-k of
+    vLLM's own sampler reach each draft token (a fresh interpreter: the plugin reads it when applied)."""
+    from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 
-    from vllm_eagle2 import patches
-
-    assert patches.apply()
-    from vllm.platforms import current_platform
-    from vllm.v1.sample import rejection_sampler
-
-    current_platform.register_triton_kernel_overrides()  # as every vLLM worker does after the plugins
-
-    cu = torch.tensor([2, 3, 6], dtype=torch.int32)  # 2, 1 and 3 draft tokens
-    temperature = torch.tensor([0.7, -1.0, 1.5])  # -1: a greedy request, computed as 1
-    expanded = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=-1, replace_to=1)
-    assert expanded.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.5, 1.5, 1.5])
-    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 9], dtype=torch.int32), cu, 6)
-    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 0, 9, 9, 9]
+    monkeypatch.setenv(FIX_VLLM_CPU_ENV, "1")
+    proc = run_python(
+        """
+        import json
+        import torch
+        from vllm_eagle2 import patches
+        assert patches.apply()
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import rejection_sampler
+        current_platform.register_triton_kernel_overrides()  # as every vLLM worker does after the plugins
+        cu = torch.tensor([2, 3, 6], dtype=torch.int32)  # 2, 1 and 3 draft tokens
+        temperature = torch.tensor([0.7, -1.0, 1.5])  # -1: a greedy request, computed as 1
+        t = rejection_sampler.expand_batch_to_tokens(temperature, cu, 6, replace_from=-1, replace_to=1)
+        k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 9], dtype=torch.int32), cu, 6)
+        print(json.dumps({"temperature": t.tolist(), "top_k": k.tolist(), "top_k_dtype": str(k.dtype)}))
+        """
+    )
+    out = last_json_line(proc)
+    assert out["temperature"] == pytest.approx([0.7, 0.7, 1.0, 1.5, 1.5, 1.5])
+    assert out["top_k_dtype"] == "torch.int32" and out["top_k"] == [5, 5, 0, 9, 9, 9]
 
 
 @pytest.fixture(scope="module")

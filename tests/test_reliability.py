@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 import pytest
 
+from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 from vllm_eagle2.tiny_models import build_pair
 
 SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
@@ -244,6 +245,9 @@ def _seeded(llm: Any, runs: int) -> dict[str, Any]:
 def offline_main(job_path: str) -> None:
     """Child-process entry: run the offline engines of ``job_path`` and write the results next to it."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # The engines without eagle2 need the plugin's opt-in fix of vLLM's CPU generator rewind to
+    # survive a seeded chunked prefill at all (eagle2 engines get it without asking).
+    os.environ[FIX_VLLM_CPU_ENV] = "1"
     import gc
 
     from vllm import LLM, SamplingParams
