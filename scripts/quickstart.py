@@ -143,9 +143,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             tiny=False,
             description=f"target {model}, head {head}, prompts: {source}",
         )
-    setup.prompts = datasets.token_prompts(
-        setup.model, (questions * (1 + args.num_prompts // len(questions)))[: args.num_prompts]
-    )
+    setup.prompts = datasets.token_prompts(setup.model, datasets.repeated(questions, args.num_prompts))
     m, d, k = setup.tree
     setup.tree = (
         args.num_speculative_tokens if args.num_speculative_tokens is not None else m,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_eagle2.budget import (
+    NO_DRAFTS,
     AcceptanceModel,
     CostCurve,
     DraftPlan,
@@ -174,7 +175,7 @@ def test_step_cost_is_the_price_the_plan_was_chosen_on():
 def test_step_cost_of_no_drafts_is_a_plain_pass():
     target, level = linear_curve(4096, 0.010, 0.0002), linear_curve(640, 0.001, 0.00002)
     verify = linear_curve(4096, 9.0, 0.0)  # what verifying costs does not matter
-    cost = step_cost(DraftPlan(0, 0, 0, 0, 0.0), 4, target=target, level=level, overhead=0.5, verify=verify)
+    cost = step_cost(NO_DRAFTS, 4, target=target, level=level, overhead=0.5, verify=verify)
     assert cost == pytest.approx(float(target(4)) + 0.5)
 
 
@@ -328,13 +329,13 @@ def test_verifier_width_follows_the_adaptive_budget_counts():
 
 
 def test_a_plan_whose_drafts_are_mostly_not_sent_becomes_no_drafts():
-    from vllm_eagle2.budget import DraftPlan, with_kept_fraction
+    from vllm_eagle2.budget import with_gain_share
 
     # 4 requests, 1.0 expected accepted per request, step 0.05 s against 0.04 s without drafts
     plan = DraftPlan(2, 2, 4, 4, 4 * 2.0 / 0.05)
-    assert with_kept_fraction(plan, 4, 1.0, 0.05, 0.04).rate == pytest.approx(plan.rate)
-    assert with_kept_fraction(plan, 4, 0.5, 0.05, 0.04).drafts  # 4 * 1.5 / 0.05 = 120 > 100
-    assert not with_kept_fraction(plan, 4, 0.2, 0.05, 0.04).drafts  # 4 * 1.2 / 0.05 = 96 < 100
+    assert with_gain_share(plan, 4, 1.0, 0.05, 0.04).rate == pytest.approx(plan.rate)
+    assert with_gain_share(plan, 4, 0.5, 0.05, 0.04).drafts  # 4 * 1.5 / 0.05 = 120 > 100
+    assert not with_gain_share(plan, 4, 0.2, 0.05, 0.04).drafts  # 4 * 1.2 / 0.05 = 96 < 100
 
 
 def test_budget_stops_planning_drafts_the_allocation_does_not_send():

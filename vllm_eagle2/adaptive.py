@@ -33,14 +33,16 @@ import numpy as np
 import torch
 
 from vllm_eagle2.budget import (
+    NO_DRAFTS,
     AcceptanceModel,
     CostCurve,
     DraftPlan,
     allocate_nodes,
+    draft_seconds,
     expected_accepted,
     plan_draft,
     step_cost,
-    with_kept_fraction,
+    with_gain_share,
 )
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -336,7 +338,7 @@ class AdaptiveBudget:
         cached = self._plans.get(batch)
         if cached is not None and self._step - cached[0] < REPLAN_STEPS:
             step, plan, planned, planned_none = cached
-            none = step_cost(DraftPlan(0, 0, 0, 0, 0.0), batch, **costs)
+            none = step_cost(NO_DRAFTS, batch, **costs)
             now = step_cost(plan, batch, **costs) if plan.drafts else none
             drift = max(abs(now - planned) / planned, abs(none - planned_none) / planned_none)
             if drift <= REPLAN_DRIFT:
@@ -351,7 +353,7 @@ class AdaptiveBudget:
             chain_only=self.chain,
             **costs,
         )
-        none = step_cost(DraftPlan(0, 0, 0, 0, 0.0), batch, **costs)
+        none = step_cost(NO_DRAFTS, batch, **costs)
         seconds = step_cost(plan, batch, **costs)
         kept = self._kept.get(batch, 1.0)
         share = 1.0
@@ -361,7 +363,7 @@ class AdaptiveBudget:
             gains = expected_accepted(self.acceptance.p, plan.depth, plan.topk, plan.per_request)
             if gains[-1] > 0:
                 share = float(gains[int(round(kept * plan.per_request))] / gains[-1])
-        realized = with_kept_fraction(plan, batch, share, seconds, none)
+        realized = with_gain_share(plan, batch, share, seconds, none)
         if plan.drafts and not realized.drafts:
             self._kept[batch] = kept + KEPT_RECOVERY * (1.0 - kept)
         self._plans[batch] = (self._step, realized, seconds if realized.drafts else none, none)
@@ -374,11 +376,10 @@ class AdaptiveBudget:
         batch, n = values.shape
         costs = self._costs()
         j = np.arange(batch * n + 1, dtype=np.float64)
-        draft = self.level(batch) + (plan.depth - 1) * self.level(batch * plan.topk)
-        # Sending no drafts after all spares the next step its verification.
         seconds = costs["verify"](batch + j) + costs["draft_overhead"]
-        seconds[0] = float(self.target(batch)) + self.overhead
-        seconds = seconds + draft
+        # Sending no drafts after all spares the next step its verification.
+        seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
+        seconds = seconds + draft_seconds(plan, batch, self.level)
         step_seconds = torch.from_numpy(seconds.astype(np.float32)).to(values.device, non_blocking=True)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
 

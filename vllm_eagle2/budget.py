@@ -29,11 +29,13 @@ __all__ = [
     "AcceptanceModel",
     "CostCurve",
     "DraftPlan",
+    "NO_DRAFTS",
     "allocate_nodes",
+    "draft_seconds",
     "expected_accepted",
     "plan_draft",
     "step_cost",
-    "with_kept_fraction",
+    "with_gain_share",
 ]
 
 
@@ -232,6 +234,10 @@ class DraftPlan:
         return self.num_tokens > 0
 
 
+#: The plan of a step without drafts (its ``rate`` unpriced).
+NO_DRAFTS = DraftPlan(0, 0, 0, 0, 0.0)
+
+
 def _pool_size(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk
 
@@ -312,11 +318,16 @@ def step_cost(
         return float(target(batch)) + overhead
     verify = target if verify is None else verify
     draft_overhead = overhead if draft_overhead is None else draft_overhead
-    draft = float(level(batch)) + (plan.depth - 1) * float(level(batch * plan.topk))
-    return float(verify(batch * (1 + plan.per_request))) + draft + draft_overhead
+    return float(verify(batch * (1 + plan.per_request))) + draft_seconds(plan, batch, level) + draft_overhead
 
 
-def with_kept_fraction(
+def draft_seconds(plan: DraftPlan, batch: int, level: CostCurve) -> float:
+    """Predicted seconds of drafting ``plan`` for ``batch`` requests: the root level (with the
+    catch-up pass) over ``batch`` rows and ``depth - 1`` expansions over ``batch * topk``."""
+    return float(level(batch)) + (plan.depth - 1) * float(level(batch * plan.topk))
+
+
+def with_gain_share(
     plan: DraftPlan, batch: int, share: float, plan_seconds: float, none_seconds: float
 ) -> DraftPlan:
     """``plan`` re-rated for the ``share`` of its expected gain that the drafts the allocation will

@@ -169,7 +169,11 @@ def token_prompts(model: Path | str, texts: list[str], chat: bool = True) -> lis
     return [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
 
 
+def repeated(texts: list[str], num: int) -> list[str]:
+    """The first ``num`` of ``texts`` repeated cyclically (a benchmark may ask for more than a set has)."""
+    return (texts * (1 + num // len(texts)))[:num]
+
+
 def load_prompts(dataset: str, model: Path | str, num: int, chat: bool = True) -> list[dict[str, list[int]]]:
     """``num`` prompts of a benchmark set as token ids (the set repeated cyclically when smaller)."""
-    texts = benchmark_texts(dataset)
-    return token_prompts(model, (texts * (1 + num // len(texts)))[:num], chat)
+    return token_prompts(model, repeated(benchmark_texts(dataset), num), chat)
