@@ -24,8 +24,10 @@ MAX_NEW=${MAX_NEW:-384}             # ShareGPT reply cap (MT-bench: MAX_NEW_EVAL
 MAX_NEW_EVAL=${MAX_NEW_EVAL:-512}
 EPOCHS=${EPOCHS:-4}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most; with DEADLINE (seconds from the start), less if time is short
+# TRAIN_TOK_S (optional): measured training tokens/s; then EPOCHS is an upper bound, lowered to what fits
 RESERVE=${RESERVE:-130}             # seconds kept for features, evaluations and packing
 BATCH_TOKENS=${BATCH_TOKENS:-4096}
+DEPTHS=${DEPTHS:-3}
 export PYTHONUNBUFFERED=1
 
 t0=$SECONDS
@@ -43,10 +45,17 @@ if [ -n "${DEADLINE:-}" ]; then
     TRAIN_MINUTES=$(awk -v d="$DEADLINE" -v now=$(( SECONDS - t0 )) -v r="$RESERVE" -v m="$TRAIN_MINUTES" \
         'BEGIN { x = (d - now - r) / 60; if (x > m) x = m; if (x < 0.5) x = 0.5; printf "%.2f", x }')
 fi
-stamp "features and training (at most $TRAIN_MINUTES min of training)"
+if [ -n "${TRAIN_TOK_S:-}" ]; then
+    # As many epochs as the minutes left hold at the measured speed (scripts/bench_train_step.py), so
+    # the cosine schedule ends instead of being cut. Tokens: replies plus prompts (about 1.3x replies).
+    EPOCHS=$("$PY" -c "import json; m = json.load(open('$DATA/manifest.json'))
+n = 1.3 * sum(s['reply_tokens'] for s in m['slices'] if s['prompts'] == 'sharegpt')
+print(max(1, min($EPOCHS, int(0.9 * $TRAIN_MINUTES * 60 * $TRAIN_TOK_S / n))))")
+fi
+stamp "features and training ($EPOCHS epochs, at most $TRAIN_MINUTES min of training)"
 "$PY" scripts/train_eagle_head.py --target "$TARGET" --replies "$DATA" --eval-replies mtbench \
     --num-conversations 0 --eval-conversations 0 --max-tokens-per-conversation 1024 \
-    --batch-tokens "$BATCH_TOKENS" --epochs "$EPOCHS" --train-depths 3 --lr 1e-3 --min-lr-ratio 0.05 \
+    --batch-tokens "$BATCH_TOKENS" --epochs "$EPOCHS" --train-depths "$DEPTHS" --lr 1e-3 --min-lr-ratio 0.05 \
     --ce-weight 0.1 --max-minutes "$TRAIN_MINUTES" --feature-dir "$FEATURES" --output "$HEAD" --seed 0
 tar -cf "$OUT/head.tar" -C "$(dirname "$HEAD")" "$(basename "$HEAD")"
 stamp "done"

@@ -173,6 +173,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
+    if device.type == "cuda":
+        # The head trains in float32; TF32 matmuls keep its 10-bit mantissa products well inside the
+        # bf16 features' own rounding, at several times the speed.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     fdir, manifest = extract_features(
         target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device
     )

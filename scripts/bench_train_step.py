@@ -1,0 +1,133 @@
+"""Training-step throughput of the EAGLE head at SmolLM2-135M's shapes, with random weights and data.
+
+Speed does not depend on the values, so this runs anywhere (no target, no features): it times
+``batch_loss`` forward + backward + AdamW over packed batches of ``--batch-tokens`` tokens, for the
+per-sequence and the packed attention, and prints tokens/s as JSON. Used to size a GPU session's
+training (epochs that fit its minutes) before the target is even on the machine.
+
+    python scripts/bench_train_step.py --device cuda --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig
+
+from vllm_eagle2.training import head as head_module
+from vllm_eagle2.training.head import EagleHead, head_config
+from vllm_eagle2.training.loss import Batch, batch_loss
+
+SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    num_hidden_layers=30, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+    max_position_embeddings=8192,
+)  # fmt: skip
+
+
+def random_batch(tokens: int, mean_len: int, cfg: LlamaConfig, device: torch.device) -> Batch:
+    """Packed sequences of lengths around ``mean_len`` summing to ``tokens``, with a top-16 label."""
+    gen = torch.Generator().manual_seed(0)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(
+            min(tokens - sum(lens), int(torch.randint(mean_len // 2, mean_len * 3 // 2, (1,), generator=gen)))
+        )
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return Batch(
+        tokens=torch.randint(0, v, (tokens,), generator=gen),
+        hidden_in=torch.randn(tokens, h, generator=gen).bfloat16(),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        hidden_tgt=torch.randn(tokens, h, generator=gen).bfloat16(),
+        weight=torch.rand(tokens, generator=gen) < 0.8,
+        seq_lens=lens,
+        topk_ids=torch.randint(0, v, (tokens, 16), generator=gen, dtype=torch.int32),
+        topk_logp=torch.randn(tokens, 16, generator=gen).log_softmax(-1),
+    ).to(device)
+
+
+def step(
+    head: EagleHead,
+    batch: Batch,
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    vocab: torch.Tensor | None,
+    depths: int,
+) -> None:
+    """One optimizer step, as the training loop takes it."""
+    opt.zero_grad(set_to_none=True)
+    batch_loss(head, batch, train=True, vocab=vocab, depths=depths)
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    opt.step()
+
+
+def profile_steps(run: Callable[[], None], device: torch.device, steps: int = 2) -> str:
+    """torch.profiler's table of the ops that took the most time over ``steps`` calls of ``run``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=20)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--mean-len", type=int, default=450, help="mean packed sequence length")
+    p.add_argument("--depths", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--vocab-subset", type=int, default=8192, help="0: CE over the whole vocabulary")
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per variant")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    target = LlamaConfig(**SMOLLM2_135M)
+    cfg = head_config(target)
+    gen = torch.Generator().manual_seed(1)
+    embed = torch.randn(target.vocab_size, target.hidden_size, generator=gen) * 0.02
+    head = EagleHead(cfg, embed.bfloat16(), embed).to(device)
+    params = [q for q in head.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    batch = random_batch(args.batch_tokens, args.mean_len, cfg, device)
+    vocab = torch.arange(args.vocab_subset, device=device) if args.vocab_subset else None
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", **vars(args)}
+    for name in ("per_sequence_attention", "packed_attention"):
+        attend = getattr(head_module, name)
+        original = head_module.packed_attention, head_module.per_sequence_attention
+        # both names point at the variant under test, whatever the device picks
+        head_module.packed_attention = head_module.per_sequence_attention = attend
+        try:
+            for i in range(args.steps + 2):
+                if i == 2:  # two warm-up steps
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                step(head, batch, opt, params, vocab, args.depths)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            report[f"{name}_tok_s"] = round(args.steps * args.batch_tokens / (time.perf_counter() - t0))
+            if args.profile:
+                print(f"== {name}: 2 steps ==", file=sys.stderr)
+                print(
+                    profile_steps(lambda: step(head, batch, opt, params, vocab, args.depths), device),
+                    file=sys.stderr,
+                )
+        finally:
+            head_module.packed_attention, head_module.per_sequence_attention = original
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
