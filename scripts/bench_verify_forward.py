@@ -114,7 +114,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the timing hook must reach the runner
     times = _timed_forwards()
     if args.tiny:
-        from vllm_eagle2.tiny_models import build_pair
+        from vllm_eagle2.testing import build_pair
 
         model, head = map(str, build_pair(Path(tempfile.mkdtemp()), "partial", seed=0))
     else:

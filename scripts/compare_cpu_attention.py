@@ -56,7 +56,7 @@ def main() -> None:
     from vllm_eagle2 import attention
 
     if args.tiny:
-        from vllm_eagle2.tiny_models import build_pair
+        from vllm_eagle2.testing import build_pair
 
         model, head = map(str, build_pair(SCRATCH / "compare-tiny", "partial", seed=0))
         # The tiny pair has its own 512-token vocabulary: seeded token ids, as profile_step.py uses.

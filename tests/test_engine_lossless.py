@@ -17,7 +17,7 @@ from conftest import acceptance_length, run_llm
 
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.adaptive import COSTS_ENV
-from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
+from vllm_eagle2.testing import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
 

@@ -11,7 +11,7 @@ import gc
 
 import pytest
 
-from vllm_eagle2.tiny_models import build_pair
+from vllm_eagle2.testing import build_pair
 
 MAX_MODEL_LEN = 256
 

@@ -30,7 +30,7 @@ import pytest
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.config import Eagle2ConfigError
 from vllm_eagle2.patches import unsupported_reason
-from vllm_eagle2.tiny_models import build_eagle_head, build_pair, build_target
+from vllm_eagle2.testing import build_eagle_head, build_pair, build_target
 from vllm_eagle2.tree import TREE_MODES
 
 KNOBS = dict(num_speculative_tokens=12, depth=4, topk=3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_eagle2.tiny_models import build_target
+from vllm_eagle2.testing import build_target
 from vllm_eagle2.training import replies
 
 REPO = Path(__file__).resolve().parents[1]

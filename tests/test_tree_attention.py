@@ -27,6 +27,8 @@ from vllm_eagle2.kernels import (
     paged_tree_attention,
 )
 from vllm_eagle2.kernels import tree_attention as ta
+from vllm_eagle2.kernels import tree_attention_cpp as tac
+from vllm_eagle2.kernels import tree_attention_torch as ta_torch
 from vllm_eagle2.kernels import tree_attention_triton as tat
 from vllm_eagle2.kernels._cpp import load_cpu_ops
 
@@ -278,7 +280,7 @@ def test_torch_head_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny score budget forces one kv head per chunk; same result."""
     case = make_case("flash", h=6, hkv=3, requests=REQUESTS[:3], seed=4)
     want = paged_tree_attention(*case.args(), backend="torch")
-    monkeypatch.setattr(ta, "_TORCH_SCORE_BUDGET", 1)
+    monkeypatch.setattr(ta_torch, "_TORCH_SCORE_BUDGET", 1)
     torch.testing.assert_close(paged_tree_attention(*case.args(), backend="torch"), want, atol=0, rtol=0)
 
 
@@ -304,8 +306,8 @@ def test_auto_backend_on_cpu_is_the_cpp_kernel_with_strided_out(monkeypatch: pyt
     case = make_case("cpu", requests=REQUESTS[:3], seed=5)
     want = reference(case)
     used = []
-    monkeypatch.delenv(ta.CPU_BACKEND_ENV, raising=False)
-    monkeypatch.setattr(ta, "_paged_tree_attention_torch", lambda *a: used.append("torch"))
+    monkeypatch.delenv(tac.CPU_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(ta, "paged_tree_attention_torch", lambda *a: used.append("torch"))
     buf = torch.full((case.query.shape[0], 4, 2 * case.query.shape[2]), float("nan"))
     out = buf[:, :, ::2]  # non-contiguous
     got = paged_tree_attention(*case.args(), out=out)
@@ -319,9 +321,9 @@ def test_auto_backend_falls_back_to_torch_when_the_kernel_cannot_be_built(
     def no_compiler() -> None:
         raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
 
-    monkeypatch.setattr(ta, "load_cpu_ops", no_compiler)
-    monkeypatch.setattr(ta, "_cpp_state", {})  # as in a fresh process
-    monkeypatch.delenv(ta.CPU_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(tac, "load_cpu_ops", no_compiler)
+    monkeypatch.setattr(tac, "_cpp_state", {})  # as in a fresh process
+    monkeypatch.delenv(tac.CPU_BACKEND_ENV, raising=False)
     case = make_case("cpu", requests=REQUESTS[:3], seed=5)
     with caplog.at_level("WARNING"):
         got = paged_tree_attention(*case.args())
@@ -346,16 +348,16 @@ def test_cpu_backend_is_chosen_by_environment(monkeypatch: pytest.MonkeyPatch) -
     def no_compiler() -> None:
         raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
 
-    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "torch")
-    assert ta.cpu_backend() == "torch"
-    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "cpp")
-    assert ta.cpu_backend() == "cpp"
-    monkeypatch.setattr(ta, "load_cpu_ops", no_compiler)
+    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "torch")
+    assert tac.cpu_backend() == "torch"
+    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "cpp")
+    assert tac.cpu_backend() == "cpp"
+    monkeypatch.setattr(tac, "load_cpu_ops", no_compiler)
     with pytest.raises(RuntimeError, match="no compiler"):  # forced: no silent fallback
-        ta.cpu_backend()
-    monkeypatch.setenv(ta.CPU_BACKEND_ENV, "triton")
+        tac.cpu_backend()
+    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "triton")
     with pytest.raises(ValueError, match="VLLM_EAGLE2_CPU_ATTENTION must be 'cpp' or 'torch'"):
-        ta.cpu_backend()
+        tac.cpu_backend()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -512,7 +514,7 @@ _COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_eagle2.kernels.tree_attention_triton import _ctx_split_kernel, _region_merge_kernel
+from vllm_eagle2.kernels.tree_attention_triton_kernels import _ctx_split_kernel, _region_merge_kernel
 
 ptr_types = {"q_ptr": "io", "k_ptr": "io", "v_ptr": "io", "o_ptr": "io", "bt_ptr": "bt",
              "mask_ptr": "*i32", "tiles_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}

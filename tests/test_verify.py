@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from vllm_eagle2.kernels import HAS_TRITON
 
-from vllm_eagle2 import verify
+from vllm_eagle2 import verify, verify_logits
 from vllm_eagle2.verify import (
     apply_top_k_top_p,
     target_probs,
@@ -372,8 +372,8 @@ def test_cpu_block_argmax_is_argmax(vocab):
     x[1, 0] = -torch.inf
     x[1, 1, [4, 2]] = torch.nan  # NaN counts as the maximum, as in argmax
     x[2, 3] = 1.0
-    assert torch.equal(verify._argmax_last(x), x.argmax(-1))
-    assert torch.equal(verify._argmax_last(x.bfloat16()), x.bfloat16().argmax(-1))
+    assert torch.equal(verify_logits._argmax_last(x), x.argmax(-1))
+    assert torch.equal(verify_logits._argmax_last(x.bfloat16()), x.bfloat16().argmax(-1))
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def test_cpu_block_argmax_is_argmax(vocab):
 
 
 def _force_vocab_kernel(monkeypatch):
-    monkeypatch.setattr(verify, "_use_vocab_kernel", lambda logits: True)
+    monkeypatch.setattr(verify_logits, "_use_vocab_kernel", lambda logits: True)
 
 
 def _tied_logits(dtype: torch.dtype) -> torch.Tensor:
@@ -401,20 +401,20 @@ def _tied_logits(dtype: torch.dtype) -> torch.Tensor:
 def test_fused_argmax_lse_matches_the_cpu_path(dtype, monkeypatch):
     logits = _tied_logits(dtype)
     scale = torch.tensor([1.0, 1 / 0.7, 1 / 1.9])
-    want_best, want_lse = verify._argmax_lse(logits, scale)
+    want_best, want_lse = verify_logits._argmax_lse(logits, scale)
     assert torch.equal(want_best, logits.argmax(-1))
     exact = (logits.double() * scale.double().view(3, 1, 1)).logsumexp(-1)
     torch.testing.assert_close(want_lse.double(), exact, atol=1e-5, rtol=1e-6)
-    monkeypatch.setattr(verify, "_CPU_CHUNK_ELEMS", 5000)  # chunked: 1 row of 3 at a time
-    chunked_best, chunked_lse = verify._argmax_lse(logits, scale)
+    monkeypatch.setattr(verify_logits, "_CPU_CHUNK_ELEMS", 5000)  # chunked: 1 row of 3 at a time
+    chunked_best, chunked_lse = verify_logits._argmax_lse(logits, scale)
     assert torch.equal(chunked_best, want_best)
     torch.testing.assert_close(chunked_lse, want_lse, atol=1e-6, rtol=1e-6)
 
     _force_vocab_kernel(monkeypatch)
-    best, lse = verify._argmax_lse(logits, scale)
+    best, lse = verify_logits._argmax_lse(logits, scale)
     assert torch.equal(best, want_best)  # bf16 holds more ties at the maximum: first index
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
-    best, lse = verify._argmax_lse(logits, None)
+    best, lse = verify_logits._argmax_lse(logits, None)
     assert torch.equal(best, want_best) and lse is None
 
 
@@ -500,8 +500,8 @@ def _assert_golden(result, golden, n):
 @pytest.mark.parametrize("cpu_blocks", ["default", "tiny"])
 def test_matches_the_level_walk_on_golden_cases(cpu_blocks, monkeypatch):
     if cpu_blocks == "tiny":  # also run the CPU-only blocked argmax and chunked softmax paths
-        monkeypatch.setattr(verify, "_CPU_ARGMAX_BLOCK", 4)
-        monkeypatch.setattr(verify, "_CPU_CHUNK_ELEMS", 100)
+        monkeypatch.setattr(verify_logits, "_CPU_ARGMAX_BLOCK", 4)
+        monkeypatch.setattr(verify_logits, "_CPU_CHUNK_ELEMS", 100)
     cases = torch.load(GOLDEN)
     assert len(cases) >= 30
     for case in cases:

@@ -5,16 +5,28 @@ is wrapped once (:func:`wrap_attention_layers`): the stock kernel still writes t
 and computes all rows, then the rows of tree queries are recomputed by
 :func:`vllm_eagle2.kernels.paged_tree_attention` (Triton on CUDA, the C++ kernel on CPU) with
 their per-request masks and written over the stock result. Which rows, and with which masks, is
-published for the next forward by :func:`set_tree_batch`: vLLM copies its attention
-metadata before the kernels see it, so extra fields would not survive that route.
+a :class:`TreeBatch` published for one forward through :func:`tree_batch`, a context manager:
+vLLM copies its attention metadata before the kernels see it, so extra fields would not survive
+that route. Outside a ``with tree_batch(...)`` every layer is plain causal attention, so no
+batch can leak into a later forward (a draft level, the drafter's catch-up pass, a dummy run).
 
-The wrapper also keeps the fresh K/V rows of a verification forward, so that the KV of
-accepted tree nodes can be moved into place afterwards with the backend's own writer.
+* A draft level (:mod:`vllm_eagle2.proposer`) wraps its one head forward in
+  ``with tree_batch(batch):``.
+* Verification spans vLLM's ``execute_model``: its ``_prepare_inputs`` builds the batch, the
+  target forward reads it. :mod:`vllm_eagle2.patches` wraps the whole ``execute_model`` in
+  ``with tree_batch():`` and :func:`vllm_eagle2.runner.prepare_tree_verification` publishes
+  into it (:func:`active_tree_forward` raises outside one).
+
+The wrapper also keeps the fresh K/V rows of a verification forward (``TreeForward.kept_kv``),
+so that the KV of accepted tree nodes can be moved into place afterwards, in vLLM's separate
+``sample_tokens`` call, with the backend's own writer (:func:`move_kv`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +49,7 @@ class TreeBatch:
     mask: [R, max_q, W] int32, packed visibility of region tokens per query: row i is the
         i-th query of the request, whichever region row it is (the verifier recomputes only
         the rows whose causal result is wrong).
-    keep_kv: keep this forward's fresh K/V per layer for :func:`move_kv`.
+    keep_kv: keep this forward's fresh K/V per layer (``TreeForward.kept_kv``) for :func:`move_kv`.
     plan_cache: handed to every layer's :func:`paged_tree_attention` call, which keeps the
         index work that all layers of this forward share there (a new batch, a new cache).
     """
@@ -52,20 +64,75 @@ class TreeBatch:
     plan_cache: dict = field(default_factory=dict)
 
 
-_batch: TreeBatch | None = None
-_kept_kv: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+#: Kept K/V of one forward, per layer (by id): ``(layer, key [T, Hkv, D], value [T, Hkv, D])``.
+KeptKV = dict[int, tuple[Any, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class TreeForward:
+    """The tree attention of one forward: what its attention layers read and what they keep.
+
+    batch: the tree queries, None = plain causal attention (all layers); set at entry to
+        :func:`tree_batch` or once by :meth:`publish`.
+    kept_kv: with ``batch.keep_kv``, each layer's fresh K/V rows of this forward, for
+        :func:`move_kv`. The dict outlives the scope (the verifier keeps it on its step); the
+        layers stop adding to it when the scope closes.
+    """
+
+    batch: TreeBatch | None = None
+    kept_kv: KeptKV = field(default_factory=dict)
+
+    def publish(self, batch: TreeBatch) -> None:
+        """Set the tree queries of this forward once it has started (the verifier's route).
+
+        Raises:
+            RuntimeError: a batch is already published for this forward.
+        """
+        if self.batch is not None:
+            raise RuntimeError("eagle2: this forward already has a tree batch")
+        self.batch = batch
+
+
+#: The forward inside :func:`tree_batch`, None outside: the side channel itself.
+_active: TreeForward | None = None
 _checked_layouts: set[tuple[str, torch.dtype, int, int]] = set()
 
 
-def set_tree_batch(batch: TreeBatch | None) -> None:
-    """Publish the tree queries of the next forward(s); None = plain causal attention."""
-    global _batch
-    _batch = batch
-    _kept_kv.clear()
+@contextmanager
+def tree_batch(batch: TreeBatch | None = None) -> Iterator[TreeForward]:
+    """Scope of one forward's tree attention: the attention layers see ``batch`` inside only.
+
+    Args:
+        batch: the tree queries of the forward run inside; None to publish them later with
+            :meth:`TreeForward.publish` (the forward's inputs are prepared inside the scope).
+
+    Yields:
+        The :class:`TreeForward`; its ``kept_kv`` stays readable after the scope.
+
+    Raises:
+        RuntimeError: another scope is active. One forward runs at a time; a nested scope
+            would hide the outer one's batch from its own layers.
+    """
+    global _active
+    if _active is not None:
+        raise RuntimeError("eagle2: a tree batch is already active; tree_batch scopes do not nest")
+    forward = TreeForward(batch)
+    _active = forward
+    try:
+        yield forward
+    finally:
+        _active = None
 
 
-def current_tree_batch() -> TreeBatch | None:
-    return _batch
+def active_tree_forward() -> TreeForward:
+    """The forward of the enclosing :func:`tree_batch`.
+
+    Raises:
+        RuntimeError: called outside a ``with tree_batch(...)``.
+    """
+    if _active is None:
+        raise RuntimeError("eagle2: no tree batch is active (expected inside `with tree_batch(...)`)")
+    return _active
 
 
 def _layout_of(impl: Any) -> str:
@@ -140,7 +207,8 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
             **kwargs,
         ):
             result = _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            batch = _batch
+            # Outside a tree_batch scope (dummy runs, the catch-up pass): causal, as stock.
+            batch = _active.batch if _active is not None else None
             if batch is not None and attn_metadata is not None and batch.rows.numel():
                 max_seq_len = getattr(attn_metadata, "max_seq_len", None)
                 _tree_forward(_impl, layer, query, kv_cache, result, batch, max_seq_len)
@@ -148,8 +216,9 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
 
         def do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, _stock=stock_update):
             _stock(layer, key, value, kv_cache, slot_mapping)
-            if _batch is not None and _batch.keep_kv:
-                _kept_kv[id(layer)] = (layer, key, value)
+            forward = _active
+            if forward is not None and forward.batch is not None and forward.batch.keep_kv:
+                forward.kept_kv[id(layer)] = (layer, key, value)
 
         impl.forward = forward
         if stock_update is not None:
@@ -158,20 +227,25 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
 
 
 def move_kv(
-    layer_names: set[str], layers: dict[str, Any], src_rows: torch.Tensor, dst_slots: torch.Tensor
+    kept: KeptKV,
+    layer_names: set[str],
+    layers: dict[str, Any],
+    src_rows: torch.Tensor,
+    dst_slots: torch.Tensor,
 ) -> None:
     """Rewrite the kept K/V rows ``src_rows`` [K] into cache slots ``dst_slots`` [K].
 
-    Only for the layers named (the target's); uses each backend's own cache writer, so
-    no layout knowledge is needed here.
+    ``kept``: a finished forward's ``TreeForward.kept_kv``, emptied here. Only for the layers
+    named (the target's); uses each backend's own cache writer, so no layout knowledge is
+    needed here.
     """
     if src_rows.numel() == 0:
         return
     for name in layer_names:
         layer = layers[name]
-        kept = _kept_kv.get(id(layer))
-        if kept is None:
+        entry = kept.get(id(layer))
+        if entry is None:
             continue
-        _, key, value = kept
+        _, key, value = entry
         layer.impl.do_kv_cache_update(layer, key[src_rows], value[src_rows], layer.kv_cache, dst_slots)
-    _kept_kv.clear()
+    kept.clear()

@@ -14,9 +14,10 @@ What is patched (vLLM 0.32, file:function):
   by Model Runner V2), reserves KV slots for the draft tree past each request, and uses no
   full CUDA graphs (they would replay causal attention for tree rows).
 * ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
-  drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; tree positions and
-  masks after ``_prepare_inputs``; tree verification instead of the rejection sampler;
-  the adaptive budget's step timer starts in ``_prepare_inputs``.
+  drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; ``execute_model`` runs inside
+  one ``attention.tree_batch()`` scope, so the verification's tree masks (published after
+  ``_prepare_inputs``) live exactly as long as the target forward; tree verification instead
+  of the rejection sampler; the adaptive budget's step timer starts in ``_prepare_inputs``.
   Also, for eagle2 engines (and for every engine with ``VLLM_EAGLE2_FIX_VLLM_CPU=1``): a seeded
   request whose prefill chunk is discarded keeps its CPU generator untouched (vLLM rewinds it
   with ``set_offset``, which only CUDA generators have: a seeded request with a chunked prefill
@@ -240,6 +241,7 @@ def _patch_config() -> None:
 def _patch_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_eagle2 import attention
     from vllm_eagle2 import runner as tree_runner
     from vllm_eagle2.proposer import Eagle2Proposer
 
@@ -263,6 +265,18 @@ def _patch_runner() -> None:
         if _is_eagle2(self) and scheduler_output.finished_req_ids:
             self.drafter.forget(scheduler_output.finished_req_ids)
         return update_states(self, scheduler_output, *args, **kwargs)
+
+    execute_model = GPUModelRunner.execute_model
+
+    def _execute_model(self, *args, **kwargs):
+        if not _is_eagle2(self):
+            return execute_model(self, *args, **kwargs)
+        # The widest call that holds the verification's tree batch: _prepare_inputs publishes it
+        # (prepare_tree_verification), the target's attention layers read it, and it is gone
+        # when the forward returns. Sampling comes in vLLM's separate sample_tokens call; what
+        # it needs (the kept K/V) rides on runner._eagle2_step, not on the side channel.
+        with attention.tree_batch():
+            return execute_model(self, *args, **kwargs)
 
     prepare_inputs = GPUModelRunner._prepare_inputs
 
@@ -312,6 +326,7 @@ def _patch_runner() -> None:
 
     GPUModelRunner.__init__ = __init__
     GPUModelRunner._update_states = _update_states
+    GPUModelRunner.execute_model = _execute_model
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync

@@ -225,8 +225,11 @@ class Eagle2Proposer(EagleProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
-        """Draft one tree per request; returns each request's draft tokens (best first)."""
-        attention.set_tree_batch(None)
+        """Draft one tree per request; returns each request's draft tokens (best first).
+
+        The catch-up pass runs outside any ``tree_batch`` scope (causal); each expansion level
+        opens its own (:class:`_TreeExpander`).
+        """
         budget = self.budget
         cad = common_attn_metadata
         batch = cad.batch_size()
@@ -269,7 +272,6 @@ class Eagle2Proposer(EagleProposer):
             num_tokens=plan.num_tokens,
             mode=self.settings.tree,
         )
-        attention.set_tree_batch(None)
         tokens = self._token_ids(tree.tokens)
         self.trees = TreeStore(
             req_ids=req_ids,
@@ -401,23 +403,22 @@ class _TreeExpander:
             seq_lens_cpu_upper_bound=torch.full((batch,), max_seq_len, dtype=torch.int32),
             is_prefilling=None,
         )
-        attention.set_tree_batch(
-            attention.TreeBatch(
-                rows=torch.arange(num_tokens, device=device),
-                query_start_loc=qsl.long(),
-                block_table=self.block_table,
-                context_lens=self.start,
-                region_lens=torch.full_like(self.start, region_len),
-                mask=pack_tree_mask(visible),
+        level_batch = attention.TreeBatch(
+            rows=torch.arange(num_tokens, device=device),
+            query_start_loc=qsl.long(),
+            block_table=self.block_table,
+            context_lens=self.start,
+            region_lens=torch.full_like(self.start, region_len),
+            mask=pack_tree_mask(visible),
+        )
+        with attention.tree_batch(level_batch):
+            last_hidden, hidden = self.p._run_head(
+                cad,
+                num_tokens,
+                first_pass=False,
+                input_ids=self.p._token_ids(tokens).flatten(),
+                positions=positions.flatten(),
+                hidden_states=parent_hidden.flatten(0, 1),
             )
-        )
-        last_hidden, hidden = self.p._run_head(
-            cad,
-            num_tokens,
-            first_pass=False,
-            input_ids=self.p._token_ids(tokens).flatten(),
-            positions=positions.flatten(),
-            hidden_states=parent_hidden.flatten(0, 1),
-        )
         self.parent_hidden = hidden.view(batch, k, -1)
         return self.p._draft_logits(last_hidden).view(batch, k, -1)

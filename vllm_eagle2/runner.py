@@ -6,7 +6,8 @@ Per step, for the requests that carry drafts:
   tree from the drafter's :class:`~vllm_eagle2.proposer.TreeStore` (drafts without a
   matching tree, e.g. scheduler padding, are verified as a chain), give every node the
   RoPE position ``root + depth`` (its KV slot stays ``root + 1 + index``), and publish
-  the per-request ancestor masks for the target forward.
+  the per-request ancestor masks for the target forward into the ``tree_batch`` scope that
+  :mod:`vllm_eagle2.patches` opens around vLLM's ``execute_model``.
 * :func:`sample_with_trees` (instead of the rejection sampler): verify every tree
   (greedy or sampled, per request), move the accepted nodes' target KV to the slots
   right after the root, and reorder the rows of hidden states, input ids and positions
@@ -34,6 +35,8 @@ class VerifyStep:
     tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
     num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
     depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
+    kept_kv: the target layers' K/V of the verification forward (its ``TreeForward.kept_kv``):
+        vLLM samples in a later call, after the forward's ``tree_batch`` scope has closed.
     """
 
     tokens: torch.Tensor
@@ -42,6 +45,7 @@ class VerifyStep:
     row_start: torch.Tensor
     depths: torch.Tensor
     trees: StoredTrees
+    kept_kv: attention.KeptKV
 
 
 def _padded_drafts(
@@ -144,9 +148,15 @@ def _rows_to_recompute(depths: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_tree_verification(runner: Any, meta: Any) -> None:
-    """Positions and attention masks for the trees of this step (after ``_prepare_inputs``)."""
+    """Positions and attention masks for the trees of this step (after ``_prepare_inputs``).
+
+    Runs inside ``execute_model``'s ``tree_batch`` scope and publishes the masks there.
+
+    Raises:
+        RuntimeError: no ``tree_batch`` scope is active.
+    """
     runner._eagle2_step = None
-    attention.set_tree_batch(None)
+    forward = attention.active_tree_forward()
     if meta is None or max(meta.num_draft_tokens, default=0) == 0:
         return
     device = runner.positions.device
@@ -189,7 +199,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     mask = masks.packed[spec].gather(1, order.unsqueeze(-1).expand(-1, -1, words))
     rows = (row_start[spec].unsqueeze(1) + order)[torch.arange(need.shape[1], device=device) < q.unsqueeze(1)]
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
-    attention.set_tree_batch(
+    forward.publish(
         attention.TreeBatch(
             rows=rows,
             query_start_loc=qsl,
@@ -207,6 +217,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
         row_start=row_start,
         depths=masks.depths[:, 1:],
         trees=trees,
+        kept_kv=forward.kept_kv,
     )
 
 
@@ -266,7 +277,6 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
         # step.depths count the root as depth 1 (region depths); the table counts from its children.
         depths = (step.depths - 1).clamp(min=0)
         budget.record_verification(step.parents, depths, tree.ranks, tree.scores, tree.known, accepted)
-    attention.set_tree_batch(None)
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
 
 
@@ -295,7 +305,7 @@ def _move_accepted_path(
     slots = runner.input_batch.block_table[0].slot_mapping.gpu
     drafter = runner.drafter
     layers = runner.vllm_config.compilation_config.static_forward_context
-    attention.move_kv(drafter.target_attn_layer_names, layers, src, slots[dst].long())
+    attention.move_kv(step.kept_kv, drafter.target_attn_layer_names, layers, src, slots[dst].long())
     # The catch-up pass of the drafter reads these rows as the accepted chain.
     hidden = runner._eagle2_hidden_states
     if hidden is not None:

@@ -5,7 +5,8 @@ Nothing here is imported by the serving plugin; it needs torch and transformers,
 :mod:`vllm_eagle2.training.recipe`.
 
 - ``conversations``: ShareGPT and distilled conversations as token ids plus assistant-reply masks.
-- ``replies``: the committed distilled replies (``scripts/generate_replies.py``).
+- ``replies``: the committed distilled replies: format, manifest, slices.
+- ``generate``: filling slices with the target's greedy replies (``scripts/generate_replies.py``).
 - ``features``: the target's frozen tensors and the content-addressed feature shards.
 - ``head``: the trainable EAGLE head; build, load and export in vLLM's ``eagle`` format.
 - ``loss``: packed batches and the EAGLE loss (regression plus CE, per drafting depth).

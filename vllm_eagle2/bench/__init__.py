@@ -1,0 +1,23 @@
+"""The benchmark and the quickstart as library code; ``scripts/benchmark.py``, ``scripts/quickstart.py``
+and the ``vllm-eagle2-bench`` console command are thin command lines over it.
+
+* :mod:`~vllm_eagle2.bench.config` -- the modes (rows) and their ``speculative_config``, the
+  command-line value types, the target and head to run;
+* :mod:`~vllm_eagle2.bench.records` -- one engine's measurement (:class:`Run`) and its result row;
+* :mod:`~vllm_eagle2.bench.engines` -- the runs, one engine after another in one process;
+* :mod:`~vllm_eagle2.bench.report` and :mod:`~vllm_eagle2.bench.plot` -- JSON, Markdown and PNG output;
+* :mod:`~vllm_eagle2.bench.cli` -- the benchmark's options and ``main``;
+* :mod:`~vllm_eagle2.bench.quickstart` -- the quickstart's two runs and its table.
+
+Engines are built by :mod:`vllm_eagle2.engine`, prompts come from :mod:`vllm_eagle2.datasets`.
+Nothing here imports vLLM or torch at module level (``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def log(msg: str, tool: str = "benchmark") -> None:
+    """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
+    print(f"[{tool}] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,140 @@
+"""What the benchmark runs: its modes (rows) and their ``speculative_config``, the target and head.
+
+Command-line value types (:func:`_int_list`, :func:`_setting_list`) live here too, so that the
+parsing of ``--sweep`` can be tested without starting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_eagle2.bench.records import Run
+from vllm_eagle2.cpu_env import SCRATCH
+
+#: The checkout this package lives in (an editable install): the default model and head are there.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
+ALL_MODES = ("nospec", "eagle", "defaults", "never", "chain", "static", "dynamic", "no_value", "no_rerank")
+# eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
+TREE_MODES = ALL_MODES[4:]
+#: ``never``: step costs (``vllm_eagle2.adaptive.COSTS_ENV``) under which no draft ever pays.
+NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
+BUDGETS = ("adaptive", "fixed")
+#: eagle2's (num_speculative_tokens, depth, topk) when not given: the tiny pair, a real model.
+TINY_TREE = (12, 4, 3)
+REAL_TREE = (16, 5, 4)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _setting_list(text: str) -> list[tuple[str, int, int, int, int]]:
+    """``"16:5:4,static:60:3:10:8192"`` -> [("dynamic", 16, 5, 4, 0), ("static", 60, 3, 10, 8192)]
+    (tree mode, m, depth, topk, draft vocab; mode ``dynamic`` and draft vocab 0 unless given)."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        mode = parts.pop(0) if parts and parts[0] in TREE_MODES else "dynamic"
+        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not [MODE:]M:DEPTH:TOPK[:DRAFT_VOCAB] (MODE one of {', '.join(TREE_MODES)})"
+            )
+        m, d, k, *vocab = (int(x) for x in parts)
+        out.append((mode, m, d, k, vocab[0] if vocab else 0))
+    return out
+
+
+@dataclass
+class Target:
+    """The target and head the benchmark runs on, their dtype and eagle2's tree (m, depth, topk)."""
+
+    model: Path
+    head: Path
+    dtype: str
+    tree: tuple[int, int, int]
+    description: str
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """``--tiny``: build the seeded tiny pair (float32); else check ``--model`` / ``--head`` (bfloat16).
+
+    ``--dtype``, ``--num-speculative-tokens``, ``--depth`` and ``--topk`` override the defaults.
+    """
+    if args.tiny:
+        from vllm_eagle2.testing import build_pair
+
+        model, head = build_pair(SCRATCH / "benchmark-tiny" / f"seed{args.seed}", "partial", seed=args.seed)
+        dtype = args.dtype or "float32"
+        m, d, k = TINY_TREE
+        description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {args.dataset} prompts"
+    else:
+        model = (args.model or DEFAULT_MODEL).resolve()
+        head = (args.head or DEFAULT_HEAD).resolve()
+        for what, path in (("model", model), ("head", head)):
+            if not (path / "config.json").exists():
+                raise SystemExit(f"error: --{what} {path} has no config.json")
+        dtype = args.dtype or "bfloat16"
+        m, d, k = REAL_TREE
+        description = f"{model.name} + {head.name}, {args.dataset}"
+        if args.raw_prompts:
+            description += " (raw prompts)"
+    tree = (args.num_speculative_tokens or m, args.depth or d, args.topk or k)
+    return Target(model, head, dtype, tree, description)
+
+
+def eagle2_run(
+    mode: str,
+    head: Path,
+    bs: int,
+    m: int,
+    d: int,
+    k: int,
+    vocab: int = 0,
+    budget: str = "adaptive",
+    sweep: bool = False,
+) -> Run:
+    """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k (upper bounds with the adaptive
+    ``budget``), draft vocabulary ``vocab`` (0 = whole; ``sweep``: a row of the tree-size table)."""
+    if mode == "defaults":
+        return Run("defaults", "eagle2 defaults", bs, {"method": "eagle2", "model": str(head)})
+    if mode == "never":
+        return Run("never", "eagle2 never drafting", bs, {"method": "eagle2", "model": str(head)})
+    spec = {
+        "method": "eagle2",
+        "model": str(head),
+        "num_speculative_tokens": m,
+        "depth": d,
+        "topk": k,
+        "tree": mode,
+        "budget": budget,
+        "draft_vocab_size": vocab,
+    }
+    label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
+    label += (f" V={vocab}" if vocab else "") + f" {budget}"
+    return Run("sweep" if sweep else mode, label, bs, spec)
+
+
+def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
+    """The runs at batch size ``bs``, in order: each of ``--modes`` (vLLM's eagle once per ``--eagle-k``,
+    the tree modes once per ``--budget``), then the ``--sweep`` settings."""
+    head = target.head
+    m, d, k = target.tree
+    plan: list[Run] = []
+    for mode in args.modes:
+        if mode == "nospec":
+            plan.append(Run("nospec", "no speculation", bs, None))
+        elif mode == "eagle":
+            for kk in args.eagle_k:
+                spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
+                plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
+        elif mode in ("defaults", "never"):
+            plan.append(eagle2_run(mode, head, bs, m, d, k))
+        else:
+            budgets = BUDGETS if args.budget == "both" else [args.budget]
+            plan += [eagle2_run(mode, head, bs, m, d, k, args.draft_vocab, b) for b in budgets]
+    plan += [eagle2_run(tree, head, bs, *size, budget="fixed", sweep=True) for tree, *size in args.sweep]
+    return plan

@@ -1,0 +1,56 @@
+"""The benchmark's PNG plots (matplotlib, from the ``bench`` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot(results: dict[str, Any], out_json: Path) -> list[str]:
+    """PNG plots next to the JSON: tau and tokens/s by mode; tokens/s against batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[str] = []
+    bs0 = results["batch_sizes"][0]
+    rows = [r for r in results["main_rows"] if r["batch_size"] == bs0 and not r.get("error")]
+    if rows:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        labels = [r["label"] for r in rows]
+        ax1.bar(labels, [r["tau"] or 1.0 for r in rows], color="tab:blue")
+        ax1.set_ylabel("mean acceptance length tau")
+        ax2.bar(labels, [r["tokens_per_s"] or 0 for r in rows], color="tab:green")
+        ax2.set_ylabel("output tokens/s")
+        for ax in (ax1, ax2):
+            ax.tick_params(axis="x", rotation=40)
+            for lab in ax.get_xticklabels():
+                lab.set_ha("right")
+        fig.suptitle(f"{results['setup']['description']} - batch {bs0}", fontsize=9)
+        fig.tight_layout()
+        path = out_json.with_suffix(".modes.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    if len(results["batch_sizes"]) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in results["main_rows"]:
+            if r["tokens_per_s"]:
+                name = "vLLM eagle (best k)" if r["mode"] == "eagle" else r["label"]
+                series.setdefault(name, []).append((r["batch_size"], r["tokens_per_s"]))
+        for name, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (max_num_seqs)")
+        ax.set_ylabel("output tokens/s")
+        ax.legend()
+        ax.set_title(results["setup"]["description"], fontsize=9)
+        fig.tight_layout()
+        path = out_json.with_suffix(".batch.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
