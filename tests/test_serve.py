@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import openai
 import pytest
 from conftest import run_llm
 
+from vllm_eagle2.soak.server import stop_group
 from vllm_eagle2.testing import build_pair
 
 SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
@@ -119,19 +119,7 @@ def wait_until_healthy(process: subprocess.Popen, base_url: str, log: Path) -> N
 
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM the server's process group (API server and engine core), SIGKILL what is left."""
-    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # children outliving the API server
-    except ProcessLookupError:
-        pass
+    stop_group(process)
 
 
 @pytest.fixture(scope="module")

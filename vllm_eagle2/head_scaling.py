@@ -1,20 +1,8 @@
 """How a draft head's held-out agreement grows with its training data, and what a goal would take.
 
-Trains one head per prefix of an extracted feature set (the first K training shards of a
-``scripts/train_eagle_head.py`` feature run, e.g. one made with ``--extract-only``), every head with
-the same recipe and seed, and evaluates each on the run's held-out sets. Top-1 agreement is fitted as
-``a + b * log2(tokens)`` (``b`` = points per doubling of the data), and the fit is extrapolated to
-``--goal``: an optimistic estimate, since such curves bend down as the data grows. Heads whose data
-spans less than one doubling (largest / smallest < 2) get no fit: a slope over so short a span is
-noise (898k and 998k tokens once gave "+8.9 points per doubling").
-
-Example (35 minutes on 2 CPU cores for the five shards of a 462k-token run)::
-
-    .venv/bin/python scripts/head_data_scaling.py --features scratch/eagle_features/<run> \\
-        --shards 1,2,3,4,5 --epochs 4 --lr 1e-3 --output results/head-scaling.json
-
-Writes ``FILE.json`` (every head's metrics and the fits), ``FILE.md`` (a table) and ``FILE.png``
-(top-1 against training tokens on a log scale, with the fits and the goal).
+The library half of ``scripts/head_data_scaling.py``, whose docstring (its ``--help``) says what is
+trained, how the fit works and what is written: one head per prefix of a feature run, top-1 fitted as
+``a + b * log2(tokens)``, no fit over less than one doubling of the data.
 """
 
 from __future__ import annotations
