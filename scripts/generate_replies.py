@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slice-size", type=int, default=2048, help="prompts per slice")
     p.add_argument("--max-new-tokens", type=int, default=384, help="reply length cap")
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: the greedy series <set>-NNNNN; T > 0: a sampled series <set>-tT-NNNNN (whole distribution)",
+    )
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampled series' draws")
+    p.add_argument(
         "--engine",
         choices=["transformers", "vllm"],
         default="transformers",
@@ -71,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     expected = replies.load_manifest(args.data)["target"].get("weights_sha256")
     if digest != expected:
         log(f"warning: target weights {digest[:12]} differ from the manifest's {str(expected)[:12]}")
-    settings = {"greedy": True, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+    settings: dict = {"greedy": args.temperature == 0, "max_new_tokens": args.max_new_tokens}
+    series = None
+    if args.temperature > 0:
+        series = f"{args.set}-t{args.temperature:g}"
+        settings.update(temperature=args.temperature, seed=args.sample_seed)
+    settings["batch_size"] = args.batch_size
     make = hf_generator if args.engine == "transformers" else vllm_generator
     generate, info = make(target, args)
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
@@ -84,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline=deadline,
         max_slices=args.max_slices,
         log=log,
+        series=series,
     )
     log(f"{written} slice(s) written to {args.data}")
     return 0

@@ -22,6 +22,7 @@ SLICE=${SLICE:-2048}                # prompts per slice
 GEN_BATCH=${GEN_BATCH:-1024}        # prompts per generate call
 MAX_NEW=${MAX_NEW:-384}             # ShareGPT reply cap (MT-bench: MAX_NEW_EVAL)
 MAX_NEW_EVAL=${MAX_NEW_EVAL:-512}
+TEMPERATURE=${TEMPERATURE:-0}       # > 0: fill the sampled series sharegpt-t<T> instead of the greedy one
 EPOCHS=${EPOCHS:-4}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most; with DEADLINE (seconds from the start), less if time is short
 # TRAIN_TOK_S (optional): measured training tokens/s; then EPOCHS is an upper bound, lowered to what fits
@@ -39,7 +40,8 @@ stamp "MT-bench answers (held out)"
     --max-new-tokens "$MAX_NEW_EVAL" --batch-size 80
 stamp "ShareGPT replies for $GEN_MINUTES min"
 "$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set sharegpt --slice-size "$SLICE" \
-    --max-new-tokens "$MAX_NEW" --batch-size "$GEN_BATCH" --max-minutes "$GEN_MINUTES"
+    --max-new-tokens "$MAX_NEW" --batch-size "$GEN_BATCH" --max-minutes "$GEN_MINUTES" \
+    --temperature "$TEMPERATURE"
 tar -cf "$OUT/replies.tar" -C "$(dirname "$DATA")" "$(basename "$DATA")"
 if [ -n "${DEADLINE:-}" ]; then
     TRAIN_MINUTES=$(awk -v d="$DEADLINE" -v now=$(( SECONDS - t0 )) -v r="$RESERVE" -v m="$TRAIN_MINUTES" \

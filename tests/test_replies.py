@@ -1,5 +1,6 @@
 """Committed distilled replies (vllm_eagle2.training.replies): format, resumable slices, the checks
-that keep data/replies/ honest, and batched greedy generation equal to one prompt at a time."""
+that keep data/replies/ honest, series of sampled replies beside the greedy one, and batched greedy
+generation equal to one prompt at a time."""
 
 from __future__ import annotations
 
@@ -68,10 +69,49 @@ def test_batched_greedy_replies_equal_one_prompt_at_a_time(tmp_path: Path) -> No
     model = LlamaForCausalLM.from_pretrained(str(build_target(tmp_path / "t", seed=0)), dtype=torch.float32)
     model.eval()
     eos = 2
-    batched = replies.generate_greedy(model, PROMPTS, 6, batch_size=4, eos_id=eos, pad_id=3)
-    alone = [replies.generate_greedy(model, [p], 6, batch_size=1, eos_id=eos, pad_id=3)[0] for p in PROMPTS]
+    batched = replies.generate_batched(model, PROMPTS, 6, batch_size=4, eos_id=eos, pad_id=3)
+    alone = [replies.generate_batched(model, [p], 6, batch_size=1, eos_id=eos, pad_id=3)[0] for p in PROMPTS]
     assert batched == alone
     assert all(0 < len(r) <= 6 and (eos not in r or r.index(eos) == len(r) - 1) for r in batched)
+
+
+def test_a_sampled_series_fills_its_own_slices_beside_the_greedy_one(folder: Path) -> None:
+    """A second series over the same prompts resumes on its own, is verified on its own, and its
+    replies join the greedy ones as training sequences of the same prompts."""
+    replies.add_slice(folder, "chat", 0, 0, [[20, 2], [21, 2], [22, 2], [23, 2]], {})
+    assert replies.next_slice(folder, "chat", 3, "chat-t1") == (0, 0, 3)
+    path = replies.add_slice(folder, "chat", 0, 0, [[30, 2], [31, 2], [32, 2]], {}, series="chat-t1")
+    assert path.name == "chat-t1-00000.npz"
+    assert replies.next_slice(folder, "chat", 3, "chat-t1") == (1, 3, 4)
+    assert replies.next_slice(folder, "chat", 3) is None  # the greedy series is complete
+    assert replies.verify(folder) == []
+    names, ids, _ = replies.conversations(folder, "chat", max_tokens=100)
+    assert names == ["p0", "p1", "p2", "p3", "p0", "p1", "p2"]
+    assert ids[4] == PROMPTS[0] + [30, 2]
+
+
+def test_verify_names_a_gap_within_a_series(folder: Path) -> None:
+    replies.add_slice(folder, "chat", 0, 0, [[30, 2]], {}, series="chat-t1")
+    replies.add_slice(folder, "chat", 1, 2, [[31, 2]], {}, series="chat-t1")
+    gap = "chat-t1-00001.npz: starts at 2, previous slice ended at 1"
+    assert any(gap in p for p in replies.verify(folder))
+
+
+def test_sampled_replies_are_seeded_and_not_the_greedy_ones(tmp_path: Path) -> None:
+    """At temperature > 0 the whole distribution is sampled: the same seed gives the same replies,
+    and they differ from the greedy replies (float32 tiny target, random weights: a flat distribution)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(build_target(tmp_path / "t", seed=0)), dtype=torch.float32)
+    model.eval()
+
+    def sample(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        return replies.generate_batched(model, PROMPTS, 6, batch_size=4, eos_id=2, pad_id=3, temperature=1.0)
+
+    greedy = replies.generate_batched(model, PROMPTS, 6, batch_size=4, eos_id=2, pad_id=3)
+    assert sample(0) == sample(0)
+    assert sample(0) != greedy and sample(0) != sample(1)
 
 
 def test_committed_replies_match_their_manifest() -> None:

@@ -105,7 +105,7 @@ def hf_generator(target: Path, args: argparse.Namespace) -> tuple[Generate, dict
     pad = gen.pad_token_id if gen.pad_token_id is not None else eos
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
-        return replies.generate_greedy(
+        return replies.generate_batched(
             model,
             prompts,
             args.max_new_tokens,
@@ -113,7 +113,10 @@ def hf_generator(target: Path, args: argparse.Namespace) -> tuple[Generate, dict
             eos,
             pad,
             progress=lambda done, tokens: log(f"{done}/{len(prompts)} prompts, {tokens} reply tokens"),
+            temperature=args.temperature,
         )
+
+    torch.manual_seed(args.sample_seed)  # sampled series: one seeded stream per run
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return generate, {
@@ -139,9 +142,9 @@ def vllm_generator(target: Path, args: argparse.Namespace) -> tuple[Generate, di
         dtype="bfloat16",
         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
         max_num_seqs=args.batch_size,
-        seed=0,
+        seed=args.sample_seed,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)

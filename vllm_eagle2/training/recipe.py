@@ -17,8 +17,8 @@ Pipeline (one command, reproducible from ``--seed``):
    that any earlier run extracted (same target, same sequences) is hard-linked from
    ``--feature-dir/by-content/`` instead: a data set grown by appending ``--distilled`` files (made in
    several sittings) pays only for its new tokens.
-3. The head (vLLM's ``EagleLlamaForCausalLM`` semantics, see ``vllm_eagle2/testing/reference.py``): at position
-   ``i`` the input is ``fc(cat(embed(t_{i+1}), z_i))``; one Llama decoder layer WITHOUT input norm
+3. The head (vLLM's ``EagleLlamaForCausalLM`` semantics, see ``vllm_eagle2/testing/reference.py``): at
+   position ``i`` the input is ``fc(cat(embed(t_{i+1}), z_i))``; one Llama decoder layer WITHOUT input norm
    (residual stream, post-attention RMSNorm, SwiGLU MLP); the output goes to the target's ``lm_head``
    with no final norm. Embedding and ``lm_head`` are the target's, frozen. Init: ``layers.0`` is a copy
    of the target's last decoder layer with its two output projections scaled by 0.1, ``fc = [0 | I]``,

@@ -1,4 +1,4 @@
-"""Distilled replies: the target's own greedy answers to fixed prompt sets, kept small enough to commit.
+"""Distilled replies: the target's own greedy or sampled answers to fixed prompt sets, small to commit.
 
 An EAGLE head learns to predict the target, so its best data is the target's own replies. They take
 the longest to make (hours on a CPU) and are the smallest part of the recipe (token ids, not features),
@@ -8,8 +8,10 @@ so they are committed and outlive any machine. A replies folder (``data/replies/
   its prompt range, generation settings, counts and sha256 (:func:`verify` checks them);
 - ``prompts-<set>.npz``: the prompt set, chat-template token ids with the generation prompt,
   ``names`` [n] str, ``tokens`` [T] uint16, ``offsets`` [n + 1] int64;
-- ``<set>-<k:05d>.npz``: slice k, the replies to prompts ``[start, end)`` of ``<set>``, packed the same
-  way (``tokens``, ``offsets``); a reply that ended keeps its end-of-turn token.
+- ``<series>-<k:05d>.npz``: slice k of a series of replies to one prompt set, the replies to its
+  prompts ``[start, end)``, packed the same way (``tokens``, ``offsets``); a reply that ended keeps its
+  end-of-turn token. The greedy series is named after its prompt set (``sharegpt-00000.npz``);
+  another series (``sharegpt-t1``: one sampled reply per prompt) records its name as ``series``.
 
 Slices are filled in order, each in one go (:func:`next_slice`), so generation resumes on any machine.
 Nothing here imports vLLM: a GPU machine with torch and transformers fills slices too.
@@ -99,10 +101,18 @@ def prompt_set(folder: Path, name: str) -> tuple[list[str], list[list[int]]]:
         return [str(x) for x in data["names"]], unpack(data)
 
 
-def next_slice(folder: Path, name: str, slice_size: int) -> tuple[int, int, int] | None:
-    """(k, start, end) of the next slice of prompt set ``name`` to fill, or None when all are done."""
+def series_of(entry: dict[str, Any]) -> str:
+    """The series a manifest slice belongs to (its prompt set's name for the greedy series)."""
+    return entry.get("series", entry["prompts"])
+
+
+def next_slice(
+    folder: Path, name: str, slice_size: int, series: str | None = None
+) -> tuple[int, int, int] | None:
+    """(k, start, end) of the next slice of ``series`` (default: the greedy one) over prompt set
+    ``name`` to fill, or None when all are done."""
     manifest = load_manifest(folder)
-    done = [s for s in manifest["slices"] if s["prompts"] == name]
+    done = [s for s in manifest["slices"] if series_of(s) == (series or name)]
     start = max((s["end"] for s in done), default=0)
     count = manifest["prompt_sets"][name]["count"]
     if start >= count:
@@ -111,17 +121,24 @@ def next_slice(folder: Path, name: str, slice_size: int) -> tuple[int, int, int]
 
 
 def add_slice(
-    folder: Path, name: str, k: int, start: int, replies: Sequence[Sequence[int]], info: dict[str, Any]
+    folder: Path,
+    name: str,
+    k: int,
+    start: int,
+    replies: Sequence[Sequence[int]],
+    info: dict[str, Any],
+    series: str | None = None,
 ) -> Path:
-    """Store slice ``k`` (the replies to prompts ``[start, start + len(replies))`` of set ``name``) and
-    record it with ``info`` (engine, dtype, settings, seconds) in the manifest."""
-    file = f"{name}-{k:05d}.npz"
+    """Store slice ``k`` of ``series`` (default: greedy; the replies to prompts ``[start, start +
+    len(replies))`` of set ``name``) and record it with ``info`` (engine, dtype, settings, seconds)."""
+    file = f"{series or name}-{k:05d}.npz"
     digest = _save_npz(folder / file, pack(replies))
     manifest = load_manifest(folder)
     manifest["slices"].append(
         {
             "file": file,
             "prompts": name,
+            **({"series": series} if series and series != name else {}),
             "start": start,
             "end": start + len(replies),
             "reply_tokens": sum(len(r) for r in replies),
@@ -148,11 +165,11 @@ def verify(folder: Path) -> list[str]:
     ends: dict[str, int] = {}
     for s in manifest["slices"]:
         path = folder / s["file"]
-        if s["start"] != ends.get(s["prompts"], 0):
-            problems.append(
-                f"{s['file']}: starts at {s['start']}, previous slice ended at {ends.get(s['prompts'], 0)}"
-            )
-        ends[s["prompts"]] = s["end"]
+        key = series_of(s)
+        if s["start"] != ends.get(key, 0):
+            ended = ends.get(key, 0)
+            problems.append(f"{s['file']}: starts at {s['start']}, previous slice ended at {ended}")
+        ends[key] = s["end"]
         if not path.exists() or sha256(path) != s["sha256"]:
             problems.append(f"{s['file']}: missing or its sha256 differs")
             continue
@@ -160,18 +177,20 @@ def verify(folder: Path) -> list[str]:
             n, tokens = len(data["offsets"]) - 1, int(data["offsets"][-1])
         if n != s["end"] - s["start"] or tokens != s["reply_tokens"]:
             problems.append(f"{s['file']}: {n} replies / {tokens} tokens, manifest says otherwise")
-    for name, end in ends.items():
-        if end > manifest["prompt_sets"].get(name, {}).get("count", 0):
-            problems.append(f"slices of {name} run past its prompt set")
+    prompts_of = {series_of(s): s["prompts"] for s in manifest["slices"]}
+    for key, end in ends.items():
+        if end > manifest["prompt_sets"].get(prompts_of[key], {}).get("count", 0):
+            problems.append(f"slices of {key} run past its prompt set")
     return problems
 
 
 def conversations(
     folder: Path, name: str, max_tokens: int, exclude: set[str] = frozenset()
 ) -> tuple[list[str], list[list[int]], list[list[bool]]]:
-    """Training sequences from every slice of set ``name``: (names, prompt + reply ids cut to
-    ``max_tokens``, masks marking the reply tokens). Prompts named in ``exclude`` (held out) and
-    replies under 2 tokens are left out."""
+    """Training sequences from every slice of every series over prompt set ``name``: (names, prompt +
+    reply ids cut to ``max_tokens``, masks marking the reply tokens; a prompt with replies in two
+    series gives two sequences of one name). Prompts named in ``exclude`` (held out) and replies under
+    2 tokens are left out."""
     names, prompts = prompt_set(folder, name)
     out: tuple[list[str], list[list[int]], list[list[bool]]] = ([], [], [])
     for s in load_manifest(folder)["slices"]:
@@ -190,7 +209,7 @@ def conversations(
 
 
 @torch.inference_mode()
-def generate_greedy(
+def generate_batched(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -198,8 +217,11 @@ def generate_greedy(
     eos_id: int,
     pad_id: int,
     progress: Callable[[int, int], None] | None = None,
+    temperature: float = 0.0,
 ) -> list[list[int]]:
-    """The greedy replies of a transformers causal LM to ``prompts`` (token ids), on the model's device.
+    """The replies of a transformers causal LM to ``prompts`` (token ids), on the model's device:
+    greedy at ``temperature`` 0, else sampled from the whole distribution at that temperature (no
+    top-k / top-p; seed torch's generator first for reproducible draws).
 
     Prompts are sorted by length and left-padded in batches of ``batch_size``, so padding stays small.
     Each reply stops after its first ``eos_id`` (kept) or at ``max_new_tokens``. ``progress(done,
@@ -222,7 +244,11 @@ def generate_greedy(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
-            do_sample=False,
+            **(
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                if temperature > 0
+                else {"do_sample": False}
+            ),
             eos_token_id=eos_id,
             pad_token_id=pad_id,
         )
@@ -245,20 +271,22 @@ def fill_slices(
     deadline: float | None = None,
     max_slices: int | None = None,
     log: Callable[[str], None] = print,
+    series: str | None = None,
 ) -> int:
-    """Fill the next slices of prompt set ``name`` with ``generate(prompts) -> replies`` until all are
-    done, ``max_slices`` are written, or ``time.monotonic()`` passes ``deadline`` (checked between
-    slices); ``info`` (engine, settings) is recorded with each. Returns the slices written."""
+    """Fill the next slices of ``series`` (default: greedy) over prompt set ``name`` with
+    ``generate(prompts) -> replies`` until all are done, ``max_slices`` are written, or
+    ``time.monotonic()`` passes ``deadline`` (checked between slices); ``info`` (engine, settings) is
+    recorded with each. Returns the slices written."""
     _, prompts = prompt_set(folder, name)
     written = 0
-    while (nxt := next_slice(folder, name, slice_size)) is not None:
+    while (nxt := next_slice(folder, name, slice_size, series)) is not None:
         if (deadline is not None and time.monotonic() > deadline) or written == max_slices:
             break
         k, start, end = nxt
         t0 = time.perf_counter()
         out = generate(prompts[start:end])
         seconds = time.perf_counter() - t0
-        path = add_slice(folder, name, k, start, out, {**info, "seconds": round(seconds, 1)})
+        path = add_slice(folder, name, k, start, out, {**info, "seconds": round(seconds, 1)}, series)
         tokens = sum(len(r) for r in out)
         log(
             f"{path.name}: {end - start} replies, {tokens} tokens in {seconds:.0f} s "
