@@ -33,8 +33,7 @@ from pathlib import Path
 from vllm_eagle2.kernels import CPU_BACKEND_ENV
 
 from vllm_eagle2.cpu_env import configure_cpu_env
-
-REPO = Path(__file__).resolve().parents[1]
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def _timed_forwards() -> dict[int, list[float]]:
@@ -93,8 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
-    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle"))
+    parser.add_argument("--model", default=str(DEFAULT_TARGET))
+    parser.add_argument("--head", default=str(DEFAULT_HEAD))
     parser.add_argument("--tiny", action="store_true", help="use a seeded tiny target/head pair instead")
     parser.add_argument("--m", default="16,32,60", help="comma-separated draft counts (default 16,32,60)")
     parser.add_argument("--prompt-len", type=int, default=128)

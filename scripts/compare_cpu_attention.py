@@ -28,17 +28,14 @@ from pathlib import Path
 
 from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
 from vllm_eagle2.datasets import load_prompts
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--model", default=str(DEFAULT_TARGET))
     parser.add_argument("--head", default=str(DEFAULT_HEAD))
     parser.add_argument("--tiny", action="store_true", help="use a seeded tiny target/head pair (float32)")
     parser.add_argument("--num-prompts", type=int, default=8)

@@ -38,13 +38,10 @@ from typing import Any
 
 from vllm_eagle2.cpu_env import configure_cpu_env
 from vllm_eagle2.datasets import mtbench_questions, sharegpt_first_turns
+from vllm_eagle2.progress import stderr_log
+from vllm_eagle2.smollm2 import DEFAULT_TARGET
 
-DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
-
-
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once."""
-    print(f"[distill_target] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("distill_target")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from vllm_eagle2.smollm2 import (
-    DEFAULT_OUTPUT,
+    DEFAULT_TARGET,
     check_config,
     convert,
     find_gguf,
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output",
         type=Path,
-        default=DEFAULT_OUTPUT,
+        default=DEFAULT_TARGET,
         help="folder to write (default: models/smollm2-135m-instruct in the repo; git-ignored)",
     )
     p.add_argument(

@@ -31,16 +31,13 @@ import sys
 from pathlib import Path
 
 from vllm_eagle2.profiling import profile
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the seeded tiny pair, float32 (pipeline check)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--model", type=Path, default=DEFAULT_TARGET)
     p.add_argument("--head", type=Path, default=DEFAULT_HEAD)
     p.add_argument("--dataset", choices=["mtbench", "humaneval"], default="mtbench")
     p.add_argument("--num-prompts", type=int, default=8)

@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
+from vllm_eagle2.smollm2 import REPO_ROOT
 from vllm_eagle2.training import log
 from vllm_eagle2.training.head import build_head
 from vllm_eagle2.training.loop import TrainConfig, evaluate, train
 from vllm_eagle2.training.loss import CE_WEIGHT
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # train_eagle_head.py's held-out splits: ShareGPT conversations, and the --eval-distilled replies
 SPLIT_LABELS = {"eval": "ShareGPT", "eval_distilled": "distilled answers"}

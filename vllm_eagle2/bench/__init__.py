@@ -15,9 +15,6 @@ Nothing here imports vLLM or torch at module level (``--help`` stays fast).
 
 from __future__ import annotations
 
-import sys
+from vllm_eagle2.progress import stderr_log
 
-
-def log(msg: str, tool: str = "benchmark") -> None:
-    """Progress line on stderr, flushed at once (vLLM logs to stdout)."""
-    print(f"[{tool}] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("benchmark")

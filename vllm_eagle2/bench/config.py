@@ -12,11 +12,8 @@ from pathlib import Path
 
 from vllm_eagle2.bench.records import Run
 from vllm_eagle2.cpu_env import SCRATCH
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
-#: The checkout this package lives in (an editable install): the default model and head are there.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_HEAD = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 ALL_MODES = ("nospec", "eagle", "defaults", "never", "chain", "static", "dynamic", "no_value", "no_rerank")
 # eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
 TREE_MODES = ALL_MODES[4:]
@@ -72,7 +69,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
         m, d, k = TINY_TREE
         description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {args.dataset} prompts"
     else:
-        model = (args.model or DEFAULT_MODEL).resolve()
+        model = (args.model or DEFAULT_TARGET).resolve()
         head = (args.head or DEFAULT_HEAD).resolve()
         for what, path in (("model", model), ("head", head)):
             if not (path / "config.json").exists():

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2 import datasets
-from vllm_eagle2.bench import log as _log
-from vllm_eagle2.bench.config import DEFAULT_HEAD, DEFAULT_MODEL, REPO_ROOT
 from vllm_eagle2.bench.records import first_divergence
 from vllm_eagle2.cpu_env import SCRATCH
 from vllm_eagle2.engine import build_llm, prepare_env, shutdown_llm, spec_counters, warm_up
+from vllm_eagle2.progress import stderr_log
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET, REPO_ROOT
 
 #: (num_speculative_tokens, depth, topk) when not given: the tiny pair, and a real model on a CPU.
 #: Two cores are compute-bound even at batch 1, so every verified node costs; m=4, depth 2, topk 2
@@ -47,9 +47,7 @@ BUILTIN_PROMPTS = (
 )
 
 
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once (vLLM's own logs go to stdout)."""
-    _log(msg, tool="quickstart")
+log = stderr_log("quickstart")
 
 
 @dataclass
@@ -68,9 +66,9 @@ class Setup:
 
 def prepare_default_model() -> None:
     """Build ``models/smollm2-135m-instruct`` from the PyPI GGUF (scripts/prepare_smollm2.py)."""
-    log(f"{DEFAULT_MODEL} is missing: converting it with scripts/prepare_smollm2.py (about 40 s)")
+    log(f"{DEFAULT_TARGET} is missing: converting it with scripts/prepare_smollm2.py (about 40 s)")
     script = REPO_ROOT / "scripts" / "prepare_smollm2.py"
-    cmd = [sys.executable, str(script), "--output", str(DEFAULT_MODEL), "--smoke-tokens", "0"]
+    cmd = [sys.executable, str(script), "--output", str(DEFAULT_TARGET), "--smoke-tokens", "0"]
     if subprocess.run(cmd, check=False).returncode != 0:
         raise SystemExit(f"error: {shlex.join(cmd)} failed (its message is above)")
 
@@ -98,7 +96,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             ),
         )
     else:
-        model = Path(args.model) if args.model else DEFAULT_MODEL
+        model = Path(args.model) if args.model else DEFAULT_TARGET
         head = Path(args.head) if args.head else DEFAULT_HEAD
         if args.model is None and not (model / "config.json").exists():
             prepare_default_model()

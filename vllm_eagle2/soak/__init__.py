@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2.progress import stderr_log
 from vllm_eagle2.soak.load import PromptSource, RequestRecord, run_load
 from vllm_eagle2.soak.report import percentile, server_counters, summarize
 from vllm_eagle2.soak.server import (
@@ -44,9 +44,7 @@ __all__ = [
 ]
 
 
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once."""
-    print(f"[soak] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("soak")
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:

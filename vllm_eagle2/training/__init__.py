@@ -16,9 +16,6 @@ Nothing here is imported by the serving plugin; it needs torch and transformers,
 
 from __future__ import annotations
 
-import sys
+from vllm_eagle2.progress import stderr_log
 
-
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once."""
-    print(f"[train_eagle_head] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("train_eagle_head")

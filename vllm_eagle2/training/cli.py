@@ -6,9 +6,10 @@ import argparse
 from pathlib import Path
 
 from vllm_eagle2 import draft_vocab
+from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 from vllm_eagle2.training import recipe
 from vllm_eagle2.training.loss import CE_WEIGHT, UNROLL_DECAY
-from vllm_eagle2.training.recipe import DEFAULT_FEATURE_DIR, DEFAULT_OUTPUT, DEFAULT_TARGET
+from vllm_eagle2.training.recipe import DEFAULT_FEATURE_DIR
 
 
 def _fraction(text: str) -> float:
@@ -25,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=recipe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF Llama-family target folder")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="head folder to write")
+    p.add_argument("--output", type=Path, default=DEFAULT_HEAD, help="head folder to write")
     p.add_argument("--num-conversations", type=int, default=300, help="training conversations")
     p.add_argument("--eval-conversations", type=int, default=24, help="held-out conversations")
     p.add_argument("--max-tokens-per-conversation", type=int, default=1024)

@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from vllm_eagle2 import datasets
+from vllm_eagle2.progress import stderr_log
+from vllm_eagle2.smollm2 import REPO_ROOT
 from vllm_eagle2.training import replies
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
-def log(msg: str) -> None:
-    """Progress line on stderr, flushed at once."""
-    print(f"[generate_replies] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("generate_replies")
 
 
 def weights_digest(target: Path) -> str:

@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from vllm_eagle2.datasets import SHAREGPT
+from vllm_eagle2.smollm2 import DEFAULT_TARGET, REPO_ROOT
 from vllm_eagle2.training import log, replies
 from vllm_eagle2.training.conversations import (
     Sequences,
@@ -91,9 +92,6 @@ from vllm_eagle2.training.head import build_head, check_aux_layers, export_head,
 from vllm_eagle2.training.loop import TrainConfig, evaluate, train
 from vllm_eagle2.training.loss import UNROLL_DECAY
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TARGET = REPO_ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_OUTPUT = REPO_ROOT / "heads" / "smollm2-135m-eagle"
 DEFAULT_FEATURE_DIR = REPO_ROOT / "scratch" / "eagle_features"
 
 
