@@ -30,7 +30,7 @@ import pytest
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.config import Eagle2ConfigError
 from vllm_eagle2.patches import unsupported_reason
-from vllm_eagle2.testing import build_eagle_head, build_pair, build_target
+from vllm_eagle2.testing import build_eagle3_head, build_eagle_head, build_pair, build_target
 from vllm_eagle2.tree import TREE_MODES
 
 KNOBS = dict(num_speculative_tokens=12, depth=4, topk=3)
@@ -107,9 +107,34 @@ def models(tmp_path_factory) -> dict[str, Path]:
     bad_ranked_head = shutil.copytree(head, root / "bad-ranked-head")
     draft_vocab.write_ranking(bad_ranked_head, [*RANKING, 9999], [1] * 101, "test")
 
+    # EAGLE-3 heads (a 400-token draft vocabulary, three auxiliary layers) and broken copies of one.
+    eagle3_head = build_eagle3_head(root / "eagle3-head", target, draft_vocab_size=400)
+    eagle3_narrow = build_eagle3_head(root / "eagle3-narrow", narrow_target)
+    eagle3_two_aux = _edited_copy(
+        eagle3_head, root / "eagle3-two-aux", eagle_aux_hidden_state_layer_ids=[1, 2]
+    )
+    eagle3_far_aux = _edited_copy(
+        eagle3_head, root / "eagle3-far-aux", eagle_aux_hidden_state_layer_ids=[0, 1, 7]
+    )
+    two_aux = build_eagle3_head(root / "eagle3-two-aux-layers", target, aux_layers=(1, 2))
+    eagle3_sized_for_3 = _edited_copy(
+        two_aux, root / "eagle3-sized-for-3", eagle_config=None, eagle_aux_hidden_state_layer_ids=[1, 2]
+    )
+    eagle3_short_d2t = _edited_copy(eagle3_head, root / "eagle3-short-d2t")
+    _edit_tensors(eagle3_short_d2t, lambda sd: sd.update(d2t=sd["d2t"][:-1]))
+    eagle3_no_d2t = _edited_copy(eagle3_head, root / "eagle3-no-d2t")
+    _edit_tensors(eagle3_no_d2t, lambda sd: sd.pop("d2t"))
+
     return {
         "target": target,
         "head": head,
+        "eagle3_head": eagle3_head,
+        "eagle3_narrow": eagle3_narrow,
+        "eagle3_two_aux": eagle3_two_aux,
+        "eagle3_far_aux": eagle3_far_aux,
+        "eagle3_sized_for_3": eagle3_sized_for_3,
+        "eagle3_short_d2t": eagle3_short_d2t,
+        "eagle3_no_d2t": eagle3_no_d2t,
         "ranked_head": ranked_head,
         "bad_ranked_head": bad_ranked_head,
         "narrow_head": narrow_head,
@@ -117,6 +142,22 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "truncated_head": truncated_head,
         "missing_head": root / "no-such-head",
     }
+
+
+def _edited_copy(head: Path, dest: Path, **config: Any) -> Path:
+    """A copy of ``head`` with ``config`` written over its config.json fields."""
+    shutil.copytree(head, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dest
+
+
+def _edit_tensors(head: Path, edit: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(head / "model.safetensors"))
+    edit(state)
+    save_file(state, str(head / "model.safetensors"), metadata={"format": "pt"})
 
 
 # -- registration ----------------------------------------------------------------------------
@@ -190,6 +231,17 @@ def test_draft_model_is_the_eagle2_head_class(config):
     assert draft.architecture == "Eagle2LlamaForCausalLM"
 
 
+def test_an_eagle3_head_builds_vllms_eagle3_draft_model_under_eagle2(models):
+    config = engine_config(models["target"], eagle2(models["eagle3_head"], **KNOBS))
+    spec = config.speculative_config
+    assert spec.method == "eagle2"
+    assert spec.eagle2.head_format == "eagle3"
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    architecture = spec.draft_model_config.architecture  # the head's own name, registered by vLLM
+    assert _SPECULATIVE_DECODING_MODELS[architecture] == ("llama_eagle3", "Eagle3LlamaForCausalLM")
+
+
 def test_eagle2_runs_on_the_v1_model_runner(config):
     assert config.use_v2_model_runner is False
     # Also where Model Runner V2 would otherwise be picked (GPU builds with Triton).
@@ -240,6 +292,42 @@ INVALID = {
         dict(KNOBS, draft_vocab_size=200),
         "ranked_head",
         ["speculative_config.draft_vocab_size", "[topk, 100]", "200"],
+    ),
+    "EAGLE-3 head for another hidden size": (
+        KNOBS,
+        "eagle3_narrow",
+        ["speculative_config.model", "target_hidden_size 64", "hidden size 128"],
+    ),
+    "EAGLE-3 head naming fewer auxiliary layers than its fc reads": (
+        KNOBS,
+        "eagle3_two_aux",
+        [
+            "speculative_config.model",
+            "2 auxiliary layers [1, 2]",
+            "fc.weight takes 3",
+            "eagle_aux_hidden_state",
+        ],
+    ),
+    "EAGLE-3 head whose fc vLLM would build for 3 auxiliary states": (
+        KNOBS,
+        "eagle3_sized_for_3",
+        ["speculative_config.model", "for 3 auxiliary hidden states", "takes 2", "num_aux_hidden_states"],
+    ),
+    "EAGLE-3 auxiliary layer past the target's layers": (
+        KNOBS,
+        "eagle3_far_aux",
+        ["speculative_config.model", "[0, 1, 7]", "[0, 2]"],
+    ),
+    "EAGLE-3 d2t of the wrong length": (
+        KNOBS,
+        "eagle3_short_d2t",
+        ["speculative_config.model", "d2t", "[399]", "draft_vocab_size 400"],
+    ),
+    "EAGLE-3 head without d2t": (KNOBS, "eagle3_no_d2t", ["speculative_config.model", "400", "d2t", "512"]),
+    "draft vocabulary knob with an EAGLE-3 head": (
+        dict(KNOBS, draft_vocab_size=100),
+        "eagle3_head",
+        ["speculative_config.draft_vocab_size", "EAGLE-3", "400", "100"],
     ),
     "ranking outside the vocabulary": (
         dict(KNOBS, draft_vocab_size=101),

@@ -22,7 +22,7 @@ from scipy.stats import chi2_contingency
 
 from vllm_eagle2.adaptive import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
-from vllm_eagle2.testing import build_pair
+from vllm_eagle2.testing import build_eagle3_head, build_pair
 
 NUM_SAMPLES = 400
 MAX_TOKENS = 4
@@ -41,8 +41,10 @@ def sampling_params():
     ]
 
 
-def sample(target, spec) -> np.ndarray:
-    outputs, _ = run_llm(target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32)
+def sample(target, spec, fresh_process: bool = False) -> np.ndarray:
+    outputs, _ = run_llm(
+        target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32, fresh_process=fresh_process
+    )
     return np.array([list(o.outputs[0].token_ids) for o in outputs])
 
 
@@ -62,6 +64,14 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def eagle3_head(pair, tmp_path_factory):
+    """A partly agreeing EAGLE-3 head with its own 400-token vocabulary (``d2t``) for the same target."""
+    return build_eagle3_head(
+        tmp_path_factory.mktemp("sampling_eagle3") / "head", pair[0], draft_vocab_size=400
+    )
+
+
+@pytest.fixture(scope="module")
 def reference(pair) -> np.ndarray:
     return sample(pair[0], None)
 
@@ -78,19 +88,29 @@ def test_sampled_tokens_follow_the_target_distribution(pair, reference, budget, 
     assert min(pvalues) > 1e-3, pvalues
 
 
+def test_sampled_tokens_with_an_eagle3_head_follow_the_target_distribution(pair, reference, eagle3_head):
+    # Draft probabilities over the head's own vocabulary, mapped to target ids: tokens outside it are
+    # never drafted, and the residual distribution must still restore them.
+    spec = {"method": "eagle2", "model": str(eagle3_head), **SPEC, "budget": "fixed"}
+    spec_samples = sample(pair[0], spec)
+    pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
 def test_vllm_eagle_samples_the_target_distribution_with_the_cpu_fix_opted_in(pair, reference, monkeypatch):
     # vLLM 0.32's CPU build expands temperatures into uninitialised memory; the plugin's fix for
     # engines without eagle2 is opt-in (FIX_VLLM_CPU_ENV).
     monkeypatch.setenv(FIX_VLLM_CPU_ENV, "1")
     target, head = pair
-    spec_samples = sample(target, {"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    # A fresh engine process: the plugin reads the opt-in when it is loaded.
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    spec_samples = sample(target, spec, fresh_process=True)
     pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) > 1e-3, pvalues
 
 
 def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
-    # In-process engine so that the worker sees the patched verifier.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The engine runs in this process (run_llm's default), so its worker sees the patched verifier.
     from vllm_eagle2 import runner
 
     exact = runner.verify_tree

@@ -109,6 +109,31 @@ def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     assert set(benchmark.TREE_MODES) == set(TREE_MODES)
 
 
+def test_benchmark_runs_one_eagle3_head_in_vllms_chain_and_in_eagle2_trees(tmp_path: Path) -> None:
+    """The ``eagle3`` rows (one per k) and the ``eagle3_trees`` row name the same EAGLE-3 head."""
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2.testing import build_eagle3_head, build_pair
+
+    target_dir, head = build_pair(tmp_path, "partial")
+    eagle3_head = build_eagle3_head(tmp_path / "eagle3", target_dir)
+    common = ["--model", str(target_dir), "--head", str(head), "--eagle-k", "2,3"]
+    args = parse_args(
+        [*common, "--eagle3-head", str(eagle3_head), "--modes", "nospec,eagle,eagle3,eagle3_trees"]
+    )
+    runs = plan_runs(args, resolve_target(args), bs=1)
+    eagle3 = [
+        (r.mode, r.spec["method"], r.spec["num_speculative_tokens"]) for r in runs if r.mode == "eagle3"
+    ]
+    assert eagle3 == [("eagle3", "eagle3", 2), ("eagle3", "eagle3", 3)]
+    (trees,) = [r for r in runs if r.mode == "eagle3_trees"]
+    assert (trees.spec["method"], trees.spec["tree"]) == ("eagle2", "dynamic")
+    assert {r.spec["model"] for r in runs if r.mode in ("eagle3", "eagle3_trees")} == {str(eagle3_head)}
+    assert "eagle3" not in DEFAULT_MODES
+    with pytest.raises(SystemExit, match="--eagle3-head"):
+        resolve_target(parse_args([*common, "--modes", "eagle3"]))
+
+
 def test_benchmark_console_command_runs_the_scripts_main() -> None:
     """``vllm-eagle2-bench`` (setup.py's entry point) is the ``main`` that ``scripts/benchmark.py`` runs."""
     from vllm_eagle2.bench import cli

@@ -8,7 +8,6 @@ that can be checked without weights, and hands the rest to vLLM.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,8 @@ class Eagle2Settings:
     draft_vocab_size: draft from the head's N most frequent tokens (0: the whole vocabulary),
     see :mod:`vllm_eagle2.draft_vocab`; draft_vocab_ids: those N token ids, read from the
     head folder by the plugin (:func:`check_draft_vocab`).
+    head_format: the head's checkpoint format, ``eagle`` or ``eagle3`` (read from the head folder
+    by the plugin, :func:`vllm_eagle2.head_files.check_head`).
     """
 
     num_tokens: int = DEFAULT_NUM_TOKENS
@@ -53,6 +54,7 @@ class Eagle2Settings:
     budget: str = DEFAULT_BUDGET
     draft_vocab_size: int = 0
     draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
+    head_format: str = "eagle"
 
     @property
     def nodes_per_step(self) -> int:
@@ -112,44 +114,6 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
     )
 
 
-def _read_config_json(path: Path, what: str) -> dict[str, Any]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise Eagle2ConfigError(f"{what} has no config.json: {path}")
-    try:
-        return json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise Eagle2ConfigError(f"{what} config.json is not valid JSON ({exc}): {config_file}") from exc
-
-
-def check_head(head: Any, target_hidden_size: int | None, target_vocab_size: int | None) -> set[str]:
-    """Fail fast, before any weights load, on a head that cannot serve this target.
-
-    Returns the tensor names of the head's weight files.
-    """
-    if not head:
-        raise Eagle2ConfigError("speculative_config.model must name the EAGLE head folder; got nothing")
-    path = Path(str(head)).expanduser()
-    if not path.exists():
-        raise Eagle2ConfigError(f"speculative_config.model: head path does not exist: {head}")
-    if not path.is_dir():
-        raise Eagle2ConfigError(f"speculative_config.model must be a folder with config.json: {head}")
-    cfg = _read_config_json(path, "speculative_config.model")
-    hidden = cfg.get("hidden_size")
-    if target_hidden_size is not None and hidden is not None and hidden != target_hidden_size:
-        raise Eagle2ConfigError(
-            f"speculative_config.model: head hidden_size {hidden} does not match the target's "
-            f"{target_hidden_size}: {head}"
-        )
-    vocab = cfg.get("vocab_size")
-    if target_vocab_size is not None and vocab is not None and vocab != target_vocab_size:
-        raise Eagle2ConfigError(
-            f"speculative_config.model: head vocab_size {vocab} does not match the target's "
-            f"{target_vocab_size}: {head}"
-        )
-    return head_tensor_names(path)
-
-
 def check_draft_vocab(head: Any, size: int, target_vocab_size: int | None) -> list[int]:
     """The ``size`` token ids the head drafts from (its ``draft_vocab.json``, most frequent first).
 
@@ -175,45 +139,3 @@ def check_draft_vocab(head: Any, size: int, target_vocab_size: int | None) -> li
             f"target's vocabulary of {target_vocab_size}: {head}"
         )
     return chosen
-
-
-def head_tensor_names(path: Path) -> set[str]:
-    """Tensor names of a head's weight files; raises Eagle2ConfigError on missing or broken files.
-
-    Reads safetensors headers only (and checks each file is as long as its header says),
-    so a truncated or corrupt head fails here, before vLLM starts loading it.
-    """
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = sorted(path.glob("*.bin"))
-        if not bins:
-            raise Eagle2ConfigError(f"speculative_config.model: no *.safetensors or *.bin weights in {path}")
-        import torch
-
-        names: set[str] = set()
-        for file in bins:
-            try:
-                names.update(torch.load(file, map_location="meta", weights_only=True, mmap=True))
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-                raise Eagle2ConfigError(f"speculative_config.model: cannot read {file}: {exc}") from exc
-        return names
-    names = set()
-    for file in files:
-        names.update(_safetensors_names(file))
-    return names
-
-
-def _safetensors_names(file: Path) -> set[str]:
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as handle:
-            header_len = int.from_bytes(handle.read(8), "little")
-            if header_len <= 0 or 8 + header_len > size:
-                raise ValueError("header length past the end of the file")
-            header = json.loads(handle.read(header_len))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        if 8 + header_len + end > size:
-            raise ValueError(f"file is truncated ({size} bytes, header says {8 + header_len + end})")
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise Eagle2ConfigError(f"speculative_config.model: corrupt safetensors file {file}: {exc}") from exc
-    return {k for k in header if k != "__metadata__"}

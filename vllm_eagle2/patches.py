@@ -6,15 +6,17 @@ nothing is patched: the plugin logs why, and an eagle2 config fails with that me
 
 What is patched (vLLM 0.32, file:function):
 * ``config/speculative.py`` SpeculativeConfig: ``method`` accepts "eagle2"; its
-  ``__post_init__`` builds the head's draft config exactly as for "eagle"; ``use_eagle``
-  is true for eagle2, which turns on draft KV layers and EAGLE's runner paths.
+  ``__post_init__`` builds the head's draft config exactly as for "eagle" (EAGLE-1/2 heads) or
+  "eagle3" (EAGLE-3 heads, :mod:`vllm_eagle2.head_files`); ``use_eagle`` is true for eagle2,
+  which turns on draft KV layers and EAGLE's runner paths.
 * ``engine/arg_utils.py`` EngineArgs.create_speculative_config: pops and validates the
   eagle2 keys (depth, topk, tree) and checks the head before any weights load.
 * ``config/vllm.py`` VllmConfig: eagle2 runs on the V1 model runner (listed as unsupported
   by Model Runner V2), reserves KV slots for the draft tree past each request, and uses no
   full CUDA graphs (they would replay causal attention for tree rows).
 * ``v1/worker/gpu_model_runner.py`` GPUModelRunner (the CPU runner subclasses it): the
-  drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer`; ``execute_model`` runs inside
+  drafter becomes :class:`~vllm_eagle2.proposer.Eagle2Proposer` (with an EAGLE-3 head, the target
+  also outputs its auxiliary hidden states, as for vLLM's "eagle3"); ``execute_model`` runs inside
   one ``attention.tree_batch()`` scope, so the verification's tree masks (published after
   ``_prepare_inputs``) live exactly as long as the target forward; tree verification instead
   of the rejection sampler; the adaptive budget's step timer starts in ``_prepare_inputs``.
@@ -44,7 +46,8 @@ import os
 import typing
 from typing import Any
 
-from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_draft_vocab, check_head, parse_settings
+from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_draft_vocab, parse_settings
+from vllm_eagle2.head_files import EAGLE3, TargetShape, check_head, draft_method
 
 logger = logging.getLogger("vllm_eagle2")
 
@@ -141,8 +144,8 @@ def _patch_config() -> None:
     def __post_init__(self) -> None:
         if self.method != "eagle2":
             return post_init(self)
-        # Build the head's draft config exactly as for EAGLE, then say what it is.
-        self.method = "eagle"
+        # Build the head's draft config exactly as vLLM's method for its format does, then say what it is.
+        self.method = draft_method(self.model)
         try:
             post_init(self)
         finally:
@@ -159,9 +162,19 @@ def _patch_config() -> None:
         if not (isinstance(spec, dict) and spec.get("method") == "eagle2"):
             return create(self, target_model_config, *args, **kwargs)
         settings = parse_settings(spec)
-        head_names = check_head(
-            spec.get("model"), target_model_config.get_hidden_size(), target_model_config.get_vocab_size()
+        target = TargetShape(
+            hidden_size=target_model_config.get_hidden_size(),
+            vocab_size=target_model_config.get_vocab_size(),
+            num_layers=target_model_config.get_total_num_hidden_layers(),
         )
+        head = check_head(spec.get("model"), target)
+        settings = dataclasses.replace(settings, head_format=head.format)
+        if settings.draft_vocab_size and head.format == EAGLE3:
+            raise Eagle2ConfigError(
+                "speculative_config.draft_vocab_size must be 0 with an EAGLE-3 head (it drafts over its "
+                f"own vocabulary of {head.draft_vocab_size or target.vocab_size} tokens); "
+                f"got {settings.draft_vocab_size}"
+            )
         if settings.draft_vocab_size:
             if self.tensor_parallel_size > 1:
                 raise Eagle2ConfigError(
@@ -183,7 +196,7 @@ def _patch_config() -> None:
         draft = config.draft_model_config
         if draft is not None and draft.hf_config.architectures == ["EagleLlamaForCausalLM"]:
             # Our head class: vLLM's, plus fc.bias of published EAGLE checkpoints.
-            draft.hf_config.eagle_fc_bias = "fc.bias" in head_names
+            draft.hf_config.eagle_fc_bias = "fc.bias" in head.tensors
             draft.hf_config.architectures = ["Eagle2LlamaForCausalLM"]
             config.update_arch_()
         return config
@@ -255,6 +268,8 @@ def _patch_runner() -> None:
         if spec is not None and spec.method == "eagle2":
             _state["cpu_isa_vec"] = True
             self.drafter = Eagle2Proposer(self.vllm_config, self.device, self)
+            # EAGLE-3 heads read the target's hidden states entering some of its layers.
+            self.use_aux_hidden_state_outputs = self.drafter.eagle3_use_aux_hidden_state
 
     def _is_eagle2(runner) -> bool:
         return isinstance(getattr(runner, "drafter", None), Eagle2Proposer)
@@ -318,7 +333,10 @@ def _patch_runner() -> None:
 
     def _sample_tokens(self, *args, **kwargs):
         state = getattr(self, "execute_model_state", None)
-        self._eagle2_hidden_states = getattr(state, "hidden_states", None) if _is_eagle2(self) else None
+        # What the drafter's catch-up pass reads per token: the last hidden state, and an EAGLE-3
+        # head's auxiliary ones. Tree verification reorders their rows like the accepted tokens.
+        rows = [getattr(state, "hidden_states", None), *(getattr(state, "aux_hidden_states", None) or [])]
+        self._eagle2_hidden_states = [h for h in rows if h is not None] if _is_eagle2(self) else None
         try:
             return sample_tokens(self, *args, **kwargs)
         finally:

@@ -34,6 +34,7 @@ from vllm_eagle2.adaptive import AdaptiveBudget
 from vllm_eagle2.budget import DraftPlan
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.draft_vocab import DraftVocab
+from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
 from vllm_eagle2.tree import build_dynamic_tree
 
@@ -95,6 +96,11 @@ class Eagle2Proposer(EagleProposer):
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
         self.draft_vocab: DraftVocab | None = None
+        self.d2t: torch.Tensor | None = None  # EAGLE-3 heads: [Vd] int64, target id - draft index
+        if self.settings.head_format == EAGLE3:
+            # vLLM's EAGLE-3 paths: the runner collects the auxiliary hidden states, propose combines them.
+            self.method = "eagle3"
+            self.eagle3_use_aux_hidden_state = self._get_eagle3_use_aux_hidden_state_from_config()
         self._calibrating = False
         self.budget: AdaptiveBudget | None = None
         s = self.settings
@@ -122,6 +128,7 @@ class Eagle2Proposer(EagleProposer):
         self.target_attn_layer_names = set(attn_layers) - set(self._draft_attn_layer_names)
         if self.settings.draft_vocab_ids:
             self.draft_vocab = self._load_draft_vocab()
+        self.d2t = getattr(self.model, "draft_id_to_target_id", None)
 
     def _load_draft_vocab(self) -> DraftVocab:
         weight = getattr(self.model.lm_head, "weight", None)
@@ -141,11 +148,20 @@ class Eagle2Proposer(EagleProposer):
         """
         if self.draft_vocab is not None:
             return self.draft_vocab.logits(hidden)
+        if self.d2t is not None:
+            # An EAGLE-3 head's own vocabulary, not scattered into the target's as compute_logits does.
+            return self.model.logits_processor(self.model.lm_head, hidden)
         return self.model.compute_logits(hidden)
 
     def _token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary positions (-1 = padding) -> token ids."""
-        return draft_index if self.draft_vocab is None else self.draft_vocab.token_ids(draft_index)
+        if self.draft_vocab is not None:
+            return self.draft_vocab.token_ids(draft_index)
+        if self.d2t is not None:
+            return torch.where(
+                draft_index >= 0, draft_index + self.d2t[draft_index.clamp(min=0)], draft_index
+            )
+        return draft_index
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self._calibrating:
@@ -246,6 +262,8 @@ class Eagle2Proposer(EagleProposer):
                 budget.count_step(plan, [0] * batch)
                 return [[] for _ in range(batch)]
             budget.level_started(batch)  # the root level, its catch-up pass included
+        if self.method == "eagle3":
+            target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,

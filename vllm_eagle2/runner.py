@@ -307,8 +307,7 @@ def _move_accepted_path(
     layers = runner.vllm_config.compilation_config.static_forward_context
     attention.move_kv(step.kept_kv, drafter.target_attn_layer_names, layers, src, slots[dst].long())
     # The catch-up pass of the drafter reads these rows as the accepted chain.
-    hidden = runner._eagle2_hidden_states
-    if hidden is not None:
+    for hidden in runner._eagle2_hidden_states or ():
         hidden[dst] = hidden[src]
     runner.input_ids.gpu[dst] = runner.input_ids.gpu[src]
     runner.positions[dst] = runner.positions[src]

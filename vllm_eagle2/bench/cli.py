@@ -5,6 +5,9 @@ The same prompts go through, one engine after another (each shut down before the
 * ``nospec``: no speculation (the reference for speed and for greedy outputs);
 * ``eagle``: vLLM's built-in ``eagle`` method with the same head, for every ``num_speculative_tokens`` in
   ``--eagle-k`` (default 1..6); the table shows the fastest, the JSON all of them;
+* ``eagle3``, ``eagle3_trees`` (only when named in ``--modes``): an EAGLE-3 head (``--eagle3-head``; with
+  ``--tiny`` a tiny one is built) in vLLM's ``eagle3`` chain for every ``--eagle-k`` (the fastest shown), and
+  in eagle2's dynamic trees (``--num-speculative-tokens``, ``--depth``, ``--topk``, ``--budget``);
 * ``defaults``: eagle2 with only ``method`` and ``model`` set, as a new user turns it on;
 * ``never``: eagle2's adaptive budget held at "no drafts" (by step costs that make every draft
   a loss): what a step that decides not to draft costs against ``nospec``;
@@ -54,7 +57,14 @@ import time
 from pathlib import Path
 
 from vllm_eagle2.bench import log
-from vllm_eagle2.bench.config import ALL_MODES, BUDGETS, _int_list, _setting_list, resolve_target
+from vllm_eagle2.bench.config import (
+    ALL_MODES,
+    BUDGETS,
+    DEFAULT_MODES,
+    _int_list,
+    _setting_list,
+    resolve_target,
+)
 from vllm_eagle2.bench.engines import run_all
 from vllm_eagle2.bench.report import build_results, load_average, write_outputs
 from vllm_eagle2.datasets import DATASETS, load_prompts
@@ -83,7 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
     p.add_argument("--batch-sizes", type=_int_list, default=None, help="sweep, e.g. 1,4,16,64 (overrides)")
-    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma list of {', '.join(ALL_MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma list of {', '.join(ALL_MODES)} (default: all but the eagle3 ones)",
+    )
+    p.add_argument("--eagle3-head", type=Path, default=None, help="EAGLE-3 head folder for the eagle3 modes")
     p.add_argument("--eagle-k", type=_int_list, default=[1, 2, 3, 4, 5, 6], help="built-in eagle k list")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="eagle2 m (default 12 tiny, 16)")
     p.add_argument("--depth", type=int, default=None, help="eagle2 depth (default 4 tiny, 5)")

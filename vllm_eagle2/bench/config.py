@@ -14,9 +14,12 @@ from vllm_eagle2.bench.records import Run
 from vllm_eagle2.cpu_env import SCRATCH
 from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
-ALL_MODES = ("nospec", "eagle", "defaults", "never", "chain", "static", "dynamic", "no_value", "no_rerank")
 # eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
-TREE_MODES = ALL_MODES[4:]
+TREE_MODES = ("chain", "static", "dynamic", "no_value", "no_rerank")
+#: Rows with the EAGLE-3 head (``--eagle3-head``): vLLM's eagle3 chain, and eagle2's dynamic trees.
+EAGLE3_MODES = ("eagle3", "eagle3_trees")
+DEFAULT_MODES = ("nospec", "eagle", "defaults", "never", *TREE_MODES)
+ALL_MODES = ("nospec", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
 #: ``never``: step costs (``vllm_eagle2.adaptive.COSTS_ENV``) under which no draft ever pays.
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
@@ -47,13 +50,17 @@ def _setting_list(text: str) -> list[tuple[str, int, int, int, int]]:
 
 @dataclass
 class Target:
-    """The target and head the benchmark runs on, their dtype and eagle2's tree (m, depth, topk)."""
+    """The target and heads the benchmark runs on, their dtype and eagle2's tree (m, depth, topk).
+
+    eagle3_head: an EAGLE-3 head for the :data:`EAGLE3_MODES` rows (None: those rows are not run).
+    """
 
     model: Path
     head: Path
     dtype: str
     tree: tuple[int, int, int]
     description: str
+    eagle3_head: Path | None = None
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
@@ -61,26 +68,32 @@ def resolve_target(args: argparse.Namespace) -> Target:
 
     ``--dtype``, ``--num-speculative-tokens``, ``--depth`` and ``--topk`` override the defaults.
     """
+    eagle3_head = args.eagle3_head.resolve() if args.eagle3_head else None
     if args.tiny:
-        from vllm_eagle2.testing import build_pair
+        from vllm_eagle2.testing import build_eagle3_head, build_pair
 
-        model, head = build_pair(SCRATCH / "benchmark-tiny" / f"seed{args.seed}", "partial", seed=args.seed)
+        root = SCRATCH / "benchmark-tiny" / f"seed{args.seed}"
+        model, head = build_pair(root, "partial", seed=args.seed)
+        if eagle3_head is None and any(mode in EAGLE3_MODES for mode in args.modes):
+            eagle3_head = build_eagle3_head(root / "eagle3-head", model, draft_vocab_size=400, seed=args.seed)
         dtype = args.dtype or "float32"
         m, d, k = TINY_TREE
         description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {args.dataset} prompts"
     else:
         model = (args.model or DEFAULT_TARGET).resolve()
         head = (args.head or DEFAULT_HEAD).resolve()
-        for what, path in (("model", model), ("head", head)):
-            if not (path / "config.json").exists():
+        for what, path in (("model", model), ("head", head), ("eagle3-head", eagle3_head)):
+            if path is not None and not (path / "config.json").exists():
                 raise SystemExit(f"error: --{what} {path} has no config.json")
+        if eagle3_head is None and any(mode in EAGLE3_MODES for mode in args.modes):
+            raise SystemExit(f"error: modes {', '.join(EAGLE3_MODES)} need --eagle3-head")
         dtype = args.dtype or "bfloat16"
         m, d, k = REAL_TREE
         description = f"{model.name} + {head.name}, {args.dataset}"
         if args.raw_prompts:
             description += " (raw prompts)"
     tree = (args.num_speculative_tokens or m, args.depth or d, args.topk or k)
-    return Target(model, head, dtype, tree, description)
+    return Target(model, head, dtype, tree, description, eagle3_head)
 
 
 def eagle2_run(
@@ -128,6 +141,14 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
                 plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
+        elif mode == "eagle3":
+            for kk in args.eagle_k:
+                spec = {"method": "eagle3", "model": str(target.eagle3_head), "num_speculative_tokens": kk}
+                plan.append(Run("eagle3", f"vLLM eagle3 k={kk}", bs, spec))
+        elif mode == "eagle3_trees":
+            for b in BUDGETS if args.budget == "both" else [args.budget]:
+                run = eagle2_run("dynamic", target.eagle3_head, bs, m, d, k, budget=b)
+                plan.append(Run("eagle3_trees", f"{run.label} (EAGLE-3 head)", bs, run.spec))
         elif mode in ("defaults", "never"):
             plan.append(eagle2_run(mode, head, bs, m, d, k))
         else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2.bench.records import CHAIN_MODES
+
 
 def plot(results: dict[str, Any], out_json: Path) -> list[str]:
     """PNG plots next to the JSON: tau and tokens/s by mode; tokens/s against batch size."""
@@ -38,7 +40,7 @@ def plot(results: dict[str, Any], out_json: Path) -> list[str]:
         series: dict[str, list[tuple[int, float]]] = {}
         for r in results["main_rows"]:
             if r["tokens_per_s"]:
-                name = "vLLM eagle (best k)" if r["mode"] == "eagle" else r["label"]
+                name = f"vLLM {r['mode']} (best k)" if r["mode"] in CHAIN_MODES else r["label"]
                 series.setdefault(name, []).append((r["batch_size"], r["tokens_per_s"]))
         for name, pts in series.items():
             pts.sort()

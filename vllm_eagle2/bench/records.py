@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: vLLM's chain methods, run once per k; the main table keeps the fastest k of each.
+CHAIN_MODES = ("eagle", "eagle3")
+
 
 @dataclass
 class Run:
@@ -88,8 +91,8 @@ def summarize(run: Run, base: Run | None, greedy: bool) -> dict[str, Any]:
 
 def result_rows(runs: list[Run], batch_sizes: list[int], greedy: bool) -> tuple[list[dict], list[dict]]:
     """(all rows, main rows): every run's row, batch size by batch size, each against the no-speculation
-    run at its batch size; the main rows leave out the sweep and all of vLLM's eagle rows but the
-    fastest at each batch size."""
+    run at its batch size; the main rows leave out the sweep and all of vLLM's eagle (and eagle3) rows
+    but the fastest at each batch size."""
     all_rows: list[dict[str, Any]] = []
     main_rows: list[dict[str, Any]] = []
     for bs in batch_sizes:
@@ -97,11 +100,13 @@ def result_rows(runs: list[Run], batch_sizes: list[int], greedy: bool) -> tuple[
         base = next((r for r in at_bs if r.mode == "nospec" and not r.error), None)
         rows = [summarize(r, base, greedy) for r in at_bs]
         all_rows.extend(rows)
-        eagle_rows = [r for r in rows if r["mode"] == "eagle" and r["tokens_per_s"]]
-        best_eagle = max(eagle_rows, key=lambda r: r["tokens_per_s"]) if eagle_rows else None
+        best = {}  # vLLM's chains: the fastest k of each method
+        for method in CHAIN_MODES:
+            chains = [r for r in rows if r["mode"] == method and r["tokens_per_s"]]
+            best[method] = max(chains, key=lambda r: r["tokens_per_s"]) if chains else None
         for r in rows:
             if r["mode"] == "sweep":
                 continue
-            if r["mode"] != "eagle" or r is best_eagle or best_eagle is None:
+            if r["mode"] not in CHAIN_MODES or best[r["mode"]] is None or r is best[r["mode"]]:
                 main_rows.append(r)
     return all_rows, main_rows

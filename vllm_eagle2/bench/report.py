@@ -84,6 +84,7 @@ def build_results(
             "description": target.description,
             "model": str(target.model),
             "head": str(target.head),
+            "eagle3_head": str(target.eagle3_head) if target.eagle3_head else None,
             "dataset": args.dataset,
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts],
@@ -128,6 +129,9 @@ def markdown_report(results: dict[str, Any], sweep: bool) -> list[str]:
     ]
     if len(eagle_all) > len(results["batch_sizes"]):
         md += ["", "vLLM eagle, every k:", "", markdown_table(eagle_all, greedy)]
+    eagle3_all = [r for r in all_rows if r["mode"] == "eagle3"]
+    if len(eagle3_all) > len(results["batch_sizes"]):
+        md += ["", "vLLM eagle3 (the EAGLE-3 head), every k:", "", markdown_table(eagle3_all, greedy)]
     rows = [r for r in all_rows if r["mode"] in ("sweep", "static", "dynamic")]
     if sweep:
         md += ["", "eagle2 trees at other settings (m, depth, topk):", "", markdown_table(rows, greedy)]

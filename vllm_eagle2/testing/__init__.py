@@ -1,4 +1,4 @@
-"""Test fixtures: seeded tiny models (a byte-level BPE tokenizer, a tiny Llama target, EAGLE-1 heads).
+"""Test fixtures: seeded tiny models (a byte-level BPE tokenizer, a tiny Llama target, EAGLE-1/3 heads).
 
 Not used by the plugin at run time; the tests and a few scripts (``--tiny`` runs) build these models.
 Everything here is built locally in about a second (no model hub), is deterministic for a seed, and is
@@ -6,6 +6,7 @@ saved as a folder that vLLM (and transformers) can load:
 
 - :mod:`vllm_eagle2.testing.targets`: :func:`build_tokenizer` and :func:`build_target`.
 - :mod:`vllm_eagle2.testing.heads`: :func:`build_eagle_head` and :func:`build_pair`.
+- :mod:`vllm_eagle2.testing.eagle3_heads`: :func:`build_eagle3_head` (vLLM's ``eagle3`` format).
 - :mod:`vllm_eagle2.testing.reference`: :class:`EagleHeadReference` / :func:`teacher_forced_agreement`, a
   plain-torch twin of vLLM's EAGLE head forward (kept independent of the trainer's head on purpose: the
   tests check the trainer against it), to measure how often a head's greedy draft equals the target's
@@ -46,6 +47,7 @@ matters too). Such pairs catch tree-mask and KV-compaction bugs on both sides.
 
 from __future__ import annotations
 
+from vllm_eagle2.testing.eagle3_heads import build_eagle3_head
 from vllm_eagle2.testing.heads import build_eagle_head, build_pair
 from vllm_eagle2.testing.reference import EagleHeadReference, teacher_forced_agreement
 from vllm_eagle2.testing.targets import build_target, build_tokenizer
@@ -54,6 +56,7 @@ __all__ = [
     "build_tokenizer",
     "build_target",
     "build_eagle_head",
+    "build_eagle3_head",
     "build_pair",
     "EagleHeadReference",
     "teacher_forced_agreement",

@@ -1,0 +1,91 @@
+"""EAGLE-3 heads drafted as eagle2 trees: loaded as vLLM's ``eagle3`` loads them, and lossless.
+
+Tiny heads in vLLM's ``eagle3`` file format (:func:`vllm_eagle2.testing.build_eagle3_head`) for the
+float32 "partial" target: a partly agreeing one with its own 400-token draft vocabulary (``d2t``), and a
+random one over the whole vocabulary that reads two auxiliary layers, its layer saved as ``layers.0``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import acceptance_length, run_llm
+from test_engine_lossless import greedy, token_prompts, tokens_of
+
+from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
+from vllm_eagle2.testing import build_eagle3_head, build_pair
+
+DRAFT_VOCAB = 400
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eagle3_models")
+    target, eagle_head = build_pair(root, "partial", seed=0)
+    partial = build_eagle3_head(root / "eagle3-partial", target, kind="partial", draft_vocab_size=DRAFT_VOCAB)
+    random_head = build_eagle3_head(
+        root / "eagle3-random", target, kind="random", aux_layers=(1, 2), seed=1, layer_prefix="layers.0."
+    )
+    return {"target": target, "eagle_head": eagle_head, "partial": partial, "random": random_head}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    return token_prompts(8, 512, seed=0)  # 3 to 120 tokens
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts) -> list[list[int]]:
+    return tokens_of(run_llm(models["target"], None, prompts, greedy())[0])
+
+
+def eagle2(head: Path, **knobs) -> dict:
+    return {"method": "eagle2", "model": str(head), "budget": "fixed", **knobs}
+
+
+def test_head_files_tell_the_formats_apart(models):
+    target = TargetShape(hidden_size=128, vocab_size=512, num_layers=2)
+    assert check_head(models["eagle_head"], target).format == EAGLE
+    partial = check_head(models["partial"], target)
+    assert (partial.format, partial.aux_layers, partial.draft_vocab_size) == (EAGLE3, (0, 1, 2), DRAFT_VOCAB)
+    random_head = check_head(models["random"], target)
+    assert (random_head.format, random_head.aux_layers, random_head.draft_vocab_size) == (EAGLE3, (1, 2), 0)
+
+
+def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(models, prompts, reference):
+    # The same files, unchanged, in both methods; the greedy chain of eagle2 must accept exactly what
+    # vLLM's eagle3 accepts at every position (a wrong auxiliary state, d2t map or draft KV would not).
+    k = 3
+    vllm_eagle3 = {"method": "eagle3", "model": str(models["partial"]), "num_speculative_tokens": k}
+    chain = eagle2(models["partial"], num_speculative_tokens=k, depth=k, topk=1, tree="chain")
+    per_position = []
+    for spec in (vllm_eagle3, chain):
+        outputs, metrics = run_llm(models["target"], spec, prompts, greedy())
+        assert tokens_of(outputs) == reference
+        per_position.append(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"])
+    assert 0 < per_position[0][-1] < per_position[0][0]  # partly accepted chains, deep ones too
+    assert per_position[1] == per_position[0]
+
+
+@pytest.mark.parametrize(
+    "head, knobs",
+    [
+        ("partial", dict(num_speculative_tokens=12, depth=4, topk=3)),
+        ("partial", dict(num_speculative_tokens=30, depth=6, topk=5, tree="static")),
+        ("random", dict(num_speculative_tokens=4, depth=2, topk=4)),
+    ],
+    ids=["partial-dynamic-m12-d4-k3", "partial-static-m30-d6-k5", "random-dynamic-m4-d2-k4"],
+)
+def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, reference, head, knobs):
+    outputs, metrics = run_llm(models["target"], eagle2(models[head], **knobs), prompts, greedy())
+    assert tokens_of(outputs) == reference
+    if head == "partial":
+        assert acceptance_length(metrics) > 1.1  # the trees were partly accepted
+
+
+def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, prompts, reference):
+    # The defaults: the adaptive budget over the paper's (60, 6, 10) tree.
+    spec = {"method": "eagle2", "model": str(models["partial"])}
+    outputs, _ = run_llm(models["target"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference
