@@ -19,14 +19,22 @@ def run_llm(
     spec: dict[str, Any] | None,
     prompts: Sequence[Any],
     params: Any,
+    *,
+    fresh_process: bool = False,
     **engine_kwargs: Any,
 ) -> tuple[list[Any], dict[str, Any]]:
     """Generate with a fresh engine (float32, eager), shut it down; returns outputs and metrics.
+
+    The engine core runs inside the test process: a tiny engine starts in about half the time it
+    takes in its own process (measured 12-17 s against 26-34 s). ``fresh_process`` puts it in a new
+    process instead, where the plugin is loaded (and reads its environment) anew.
 
     metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
     holds the adaptive budget's counters (None with the fixed budget).
     """
     from vllm import LLM
+
+    from vllm_eagle2.engine import scoped_env
 
     kwargs: dict[str, Any] = dict(
         model=str(target),
@@ -38,18 +46,19 @@ def run_llm(
         disable_log_stats=False,
     )
     kwargs.update(engine_kwargs)
-    llm = LLM(speculative_config=spec, **kwargs)
-    try:
-        outputs = llm.generate(list(prompts), params, use_tqdm=False)
-        metrics: dict[str, Any] = {}
-        for m in llm.get_metrics():
-            metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
-        if spec is not None and spec.get("method") == "eagle2":
-            metrics["eagle2_budget"] = llm.collective_rpc("eagle2_budget_summary")[0]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if fresh_process else "0"}):
+        llm = LLM(speculative_config=spec, **kwargs)
+        try:
+            outputs = llm.generate(list(prompts), params, use_tqdm=False)
+            metrics: dict[str, Any] = {}
+            for m in llm.get_metrics():
+                metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
+            if spec is not None and spec.get("method") == "eagle2":
+                metrics["eagle2_budget"] = llm.collective_rpc("eagle2_budget_summary")[0]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
     return outputs, metrics
 
 
