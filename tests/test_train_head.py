@@ -20,6 +20,13 @@ from vllm_eagle2 import head_scaling as scaling
 from vllm_eagle2.testing import EagleHeadReference, build_target
 from vllm_eagle2.training.cli import main, parse_args
 from vllm_eagle2.training.conversations import Sequences, load_distilled, render_conversation
+from vllm_eagle2.training.eagle3_head import (
+    build_eagle3_head,
+    default_aux_layers,
+    eagle3_aux_layers,
+    load_eagle3_weights,
+    select_draft_vocab,
+)
 from vllm_eagle2.training.features import TARGET_TOPK, frequent_vocab, write_feature_shards
 from vllm_eagle2.training.head import (
     build_head,
@@ -462,3 +469,231 @@ def test_render_mask_and_sharegpt_reader(tmp_path: Path) -> None:
     path = tmp_path / "trunc.json"
     path.write_text('[{"id": "a", "conversations": []}, {"id": "b"}, {"id": "c", "conv')
     assert [x["id"] for x in datasets.iter_json_array(path, chunk_chars=7)] == ["a", "b"]
+
+
+EAGLE3_AUX = (0, 1)  # the tiny target has 2 layers (vLLM's default 2, N//2, N-3 needs N >= 5)
+EAGLE3_VOCAB = 200  # of the tiny target's 512 tokens
+
+
+@pytest.fixture(scope="module")
+def eagle3_setup(setup: dict) -> dict:
+    """Feature shards with the aux layers' hidden states, and a draft vocabulary from the replies."""
+    from collections import Counter
+
+    fdir = setup["root"] / "features_eagle3"
+    seqs = setup["seqs"]
+    shards = write_feature_shards(setup["model"], seqs, fdir, "train", 150, aux_layers=EAGLE3_AUX)
+    counts = Counter(t for ids, mask in zip(seqs.ids, seqs.masks) for t, m in zip(ids, mask) if m)
+    ranked = [t for t, _ in counts.most_common()]
+    draft_ids = select_draft_vocab(ranked, EAGLE3_VOCAB, 512)
+    return {"fdir": fdir, "shards": shards, "draft_ids": draft_ids, "ranked": ranked}
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, heads, d] at integer positions [T]."""
+    d = x.shape[-1]
+    freqs = pos.double()[:, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)[None]
+    cos, sin = (
+        torch.cat([freqs.cos()] * 2, -1)[:, None].float(),
+        torch.cat([freqs.sin()] * 2, -1)[:, None].float(),
+    )
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class _VllmEagle3Reference:
+    """vLLM 0.32's ``Eagle3LlamaForCausalLM`` over an exported folder, in plain torch: weights read by
+    their checkpoint names from model.safetensors, config from config.json, the target's embedding."""
+
+    def __init__(self, head_dir: Path, target_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.w = {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+        self.d2t = load_file(str(head_dir / "model.safetensors")).get("d2t")
+        self.cfg = json.loads((head_dir / "config.json").read_text())
+        tgt = load_file(str(target_dir / "model.safetensors"))
+        self.embed = tgt["model.embed_tokens.weight"].float()
+        rope = self.cfg.get("rope_parameters") or {}
+        self.theta = float(rope.get("rope_theta", self.cfg.get("rope_theta", 10000.0)))
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # (k, v) of every position run so far
+
+    def step(self, token: int, g: torch.Tensor, pos: int) -> torch.Tensor:
+        """One position: g [H] is fc(aux) (the caller applies fc) or the previous pre-norm output;
+        attends to every cached position and itself. Returns the pre-norm output [H]."""
+        w, c = self.w, self.cfg
+        eps, nh, nkv = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
+        d = c["hidden_size"] // nh
+        p = "midlayer."
+        x = torch.cat(
+            [
+                _rms(self.embed[token], w[p + "input_layernorm.weight"], eps),
+                _rms(g, w[p + "hidden_norm.weight"], eps),
+            ]
+        )
+        at = torch.tensor([pos])
+        q = _rope((w[p + "self_attn.q_proj.weight"] @ x).view(1, nh, d), at, self.theta)[0]
+        k = _rope((w[p + "self_attn.k_proj.weight"] @ x).view(1, nkv, d), at, self.theta)[0]
+        v = (w[p + "self_attn.v_proj.weight"] @ x).view(nkv, d)
+        keys = torch.stack([kv[0] for kv in self.cache] + [k])  # [n, kv, d]
+        values = torch.stack([kv[1] for kv in self.cache] + [v])
+        rep = nh // nkv
+        scores = torch.einsum("hd,nhd->hn", q, keys.repeat_interleave(rep, 1)) / math.sqrt(d)
+        o = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.repeat_interleave(rep, 1)).reshape(-1)
+        r = g + w[p + "self_attn.o_proj.weight"] @ o
+        m = _rms(r, w[p + "post_attention_layernorm.weight"], eps)
+        mlp = w[p + "mlp.gate_proj.weight"] @ m
+        mlp = w[p + "mlp.down_proj.weight"] @ (
+            torch.nn.functional.silu(mlp) * (w[p + "mlp.up_proj.weight"] @ m)
+        )
+        self._last_kv = (k, v)
+        return r + mlp
+
+    def commit(self) -> None:
+        """Keep the last step's (k, v) in the cache (a position of the context)."""
+        self.cache.append(self._last_kv)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits [V] of a pre-norm output: -inf outside the draft vocabulary."""
+        out = _rms(y, self.w["norm.weight"], self.cfg["rms_norm_eps"])
+        draft = self.w["lm_head.weight"] @ out
+        full = torch.full((self.cfg["vocab_size"],), float("-inf"))
+        ids = torch.arange(draft.numel()) + (self.d2t if self.d2t is not None else 0)
+        full[ids] = draft
+        return full
+
+
+def test_vllms_default_eagle3_aux_layers_are_low_middle_and_high() -> None:
+    """(2, N//2, N-3): 2, 15, 27 for SmolLM2-135M's 30 layers; given layers are sorted, bad ones exit."""
+    from types import SimpleNamespace
+
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert eagle3_aux_layers(SimpleNamespace(num_hidden_layers=30), []) == [2, 15, 27]
+    assert eagle3_aux_layers(SimpleNamespace(num_hidden_layers=30), [27, 2, 15]) == [2, 15, 27]
+    with pytest.raises(SystemExit, match="aux-layers"):
+        eagle3_aux_layers(SimpleNamespace(num_hidden_layers=2), [])
+    args = parse_args(["--format", "eagle3"])
+    assert args.draft_vocab == 32000 and args.aux_layers == []
+
+
+def test_draft_vocabulary_takes_the_most_frequent_reply_tokens_sorted_by_id() -> None:
+    """The first Vd ranked ids, then the fill, then the lowest free ids; sorted; capped at the target's."""
+    assert select_draft_vocab([9, 3, 7], 2, 10).tolist() == [3, 9]
+    assert select_draft_vocab([9, 3], 4, 10, fill=[5, 3]).tolist() == [0, 3, 5, 9]
+    assert select_draft_vocab([9], 50, 10).tolist() == list(range(10))
+
+
+def test_eagle3_head_training_lowers_its_loss_and_exports_vllms_eagle3_format(
+    setup: dict, eagle3_setup: dict, tmp_path: Path
+) -> None:
+    """Two short epochs (depths 1-2) lower the draft-vocabulary CE; the folder has exactly the keys,
+    shapes and config fields vLLM's Eagle3LlamaForCausalLM loads; --init-from reads it back."""
+    from safetensors.torch import load_file
+
+    target, fdir, shards, draft_ids = (
+        setup["target"],
+        *(eagle3_setup[k] for k in ("fdir", "shards", "draft_ids")),
+    )
+    head = build_eagle3_head(target, EAGLE3_AUX, draft_ids, init="target", seed=0)
+    before = evaluate(head, fdir, shards, batch_tokens=128)
+    cfg = TrainConfig(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.0, depths=2)
+    history = train(head, fdir, shards, shards, cfg, progress=False)
+    after = history["eval"][-1]
+    assert after["reg_loss"] == 0 and after["loss"] == pytest.approx(after["ce_loss"])
+    assert after["loss"] < 0.9 * before["loss"], (before, after)
+    assert after["top1"] > before["top1"] and after["top1_depth2"] > before["top1_depth2"], (before, after)
+
+    out = export_head(head, tmp_path / "head", dtype=torch.float32)
+    sd = load_file(str(out / "model.safetensors"))
+    h, inter, kv, vd = 128, 256, 2 * (128 // 4), EAGLE3_VOCAB
+    expected = {
+        "midlayer.self_attn.q_proj.weight": (h, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, h),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "fc.weight": (h, len(EAGLE3_AUX) * h),
+        "lm_head.weight": (vd, h),
+        "d2t": (vd,),
+        "t2d": (512,),
+    }
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expected
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(vd) + sd["d2t"], draft_ids)  # draft index j is token j + d2t[j]
+    assert sd["t2d"].nonzero().squeeze(-1).tolist() == draft_ids.tolist()
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["num_hidden_layers"] == 1
+    assert (raw["vocab_size"], raw["draft_vocab_size"], raw["target_hidden_size"]) == (512, vd, h)
+    assert raw["eagle_aux_hidden_state_layer_ids"] == list(EAGLE3_AUX)
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(EAGLE3_AUX)  # (sizes vLLM's fc)
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    eagle = EAGLEConfig(get_config(str(out), trust_remote_code=False), method="eagle3", model_type="eagle")
+    assert eagle.architectures == ["LlamaForCausalLMEagle3"]
+    assert eagle.model.draft_vocab_size == vd and eagle.model.eagle_aux_hidden_state_layer_ids == [0, 1]
+
+    again = build_eagle3_head(target, EAGLE3_AUX, draft_ids, init="random", seed=1)
+    load_eagle3_weights(again, out)  # --init-from
+    for (k, a), b in zip(head.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
+    other = build_eagle3_head(target, EAGLE3_AUX, draft_ids[:-1], seed=0)
+    with pytest.raises(SystemExit):
+        load_eagle3_weights(other, out)
+
+
+def test_exported_eagle3_head_computes_vllms_eagle3_forward(
+    setup: dict, eagle3_setup: dict, tmp_path: Path
+) -> None:
+    """A plain-torch twin of vLLM's Eagle3LlamaForCausalLM, reading the saved safetensors by name, gives
+    the trainer's logits at depth 1 (fc over the aux states) and at depth 2 (the pre-norm output fed back
+    without fc, attending to the context's cache): a key-name or transposition mistake fails."""
+    head = build_eagle3_head(setup["target"], EAGLE3_AUX, eagle3_setup["draft_ids"], init="random", seed=5)
+    with torch.no_grad():  # random norms too, so a swapped norm fails
+        for p in head.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    out = export_head(head, tmp_path / "head", dtype=torch.float32)
+    ref = _VllmEagle3Reference(out, setup["target"])
+    gen = torch.Generator().manual_seed(7)
+    n = 12
+    tokens = torch.randint(6, 512, (n,), generator=gen)
+    aux = torch.randn(n, len(EAGLE3_AUX) * 128, generator=gen)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        y1, y2 = head.forward_unrolled(tokens, None, pos, [n], 2, aux)
+        mine1, mine2 = head.logits(y1), head.logits(y2)
+    draft_ids = eagle3_setup["draft_ids"]
+    fc = ref.w["fc.weight"]
+    for i in range(n):
+        y = ref.step(int(tokens[i]), fc @ aux[i], i)
+        want = ref.logits(y)
+        torch.testing.assert_close(mine1[i], want[draft_ids], atol=1e-4, rtol=1e-4)
+        assert torch.isinf(want).sum() == 512 - EAGLE3_VOCAB
+        if i >= 1:  # depth 2 at row i: token i+1 of row i, the depth-1 output of row i-1, cache of rows < i
+            y_deep = ref.step(int(tokens[i]), y1[i - 1], i)
+            torch.testing.assert_close(mine2[i], ref.logits(y_deep)[draft_ids], atol=1e-4, rtol=1e-4)
+            ref.step(int(tokens[i]), fc @ aux[i], i)  # (restore row i's context (k, v))
+        ref.commit()
+
+
+def test_eagle3_options_are_checked_before_any_data_is_read(setup: dict, tmp_path: Path) -> None:
+    """--format eagle3 exits on EAGLE-1/2-only options and on aux layers the target lacks (the tiny
+    target's 2 layers have no default 2, N//2, N-3), before the data and the features."""
+    out, features = tmp_path / "o", tmp_path / "f"
+    base = ["--format", "eagle3", "--target", str(setup["target"]), "--output", str(out)]
+    base += ["--feature-dir", str(features)]
+    with pytest.raises(SystemExit, match="aux-layers"):
+        main(base)
+    with pytest.raises(SystemExit, match="--num-layers, --fc-bias"):
+        main([*base, "--aux-layers", "0,1", "--num-layers", "2", "--fc-bias"])
+    assert not out.exists() and not features.exists()

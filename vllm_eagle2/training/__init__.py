@@ -9,7 +9,9 @@ Nothing here is imported by the serving plugin; it needs torch and transformers,
 - ``generate``: filling slices with the target's greedy replies (``scripts/generate_replies.py``).
 - ``features``: the target's frozen tensors and the content-addressed feature shards.
 - ``head``: the trainable EAGLE head; build, load and export in vLLM's ``eagle`` format.
-- ``loss``: packed batches and the EAGLE loss (regression plus CE, per drafting depth).
+- ``eagle3_head``: the trainable EAGLE-3 head (``--format eagle3``); build, load, vLLM's ``eagle3`` format.
+- ``loss``: packed batches and the EAGLE loss (regression plus CE, per drafting depth; EAGLE-3: CE
+  over the head's draft vocabulary).
 - ``loop``: epoch plans, shard streaming, held-out evaluation, the training loop with checkpoints.
 - ``recipe`` / ``cli``: the whole run (data, features, training, export, ``training.json``) and its options.
 """

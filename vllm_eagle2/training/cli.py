@@ -8,6 +8,7 @@ from pathlib import Path
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 from vllm_eagle2.training import recipe
+from vllm_eagle2.training.eagle3_head import DEFAULT_DRAFT_VOCAB
 from vllm_eagle2.training.loss import CE_WEIGHT, UNROLL_DECAY
 from vllm_eagle2.training.recipe import DEFAULT_FEATURE_DIR
 
@@ -41,6 +42,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--feature-dir", type=Path, default=DEFAULT_FEATURE_DIR, help="feature shard root")
     p.add_argument("--shard-tokens", type=int, default=100_000, help="tokens per feature shard")
+    p.add_argument(
+        "--format",
+        choices=["eagle", "eagle3"],
+        default="eagle",
+        help="head to train: eagle (EAGLE-1/2, vLLM's eagle method) or eagle3 (EAGLE-3, vLLM's eagle3 "
+        "method: reads --aux-layers, own draft vocabulary of --draft-vocab tokens, CE loss only)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=DEFAULT_DRAFT_VOCAB,
+        help="--format eagle3: size of the head's own vocabulary (the most frequent reply tokens; capped "
+        "at the target's vocabulary, where the head drafts over all of it and ships no d2t)",
+    )
     p.add_argument("--init", choices=["target", "random"], default="target", help="head initialisation")
     p.add_argument(
         "--init-from",
@@ -67,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--aux-layers",
         type=lambda v: [int(x) for x in v.split(",") if x.strip()],
         default=[],
-        help="measurement only (a head neither vLLM nor the plugin loads): also feed the head the "
-        "target's hidden states entering these layers, e.g. 2,15,27 (EAGLE-3's low/middle/high features)",
+        help="target layers whose input hidden states the head reads, e.g. 2,15,27 (EAGLE-3's low/middle/"
+        "high features). --format eagle3: its fc input (default vLLM's 2,N//2,N-3 for N target layers); "
+        "--format eagle: a measurement only (a head neither vLLM nor the plugin loads)",
     )
     p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
     p.add_argument("--save-every-minutes", type=float, default=5.0)

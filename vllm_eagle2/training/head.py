@@ -34,18 +34,22 @@ class _Norm(nn.Module):
 
 
 class _Attention(nn.Module):
-    """Llama self-attention (GQA, neox RoPE) with HF parameter names."""
+    """Llama self-attention (GQA, neox RoPE) with HF parameter names.
 
-    def __init__(self, cfg: Any) -> None:
+    q/k/v read ``in_features`` (default: the hidden size; EAGLE-3's layer reads 2H), o_proj writes H.
+    """
+
+    def __init__(self, cfg: Any, in_features: int | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
+        d_in = in_features or h
         self.num_heads = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or h // self.num_heads
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=bias)
+        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.num_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
     def forward(
@@ -379,15 +383,20 @@ def load_head_weights(head: EagleHead, head_dir: Path) -> None:
         )
 
 
-def export_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (no ``embed_tokens``, no ``lm_head``) to out_dir."""
+def export_head(head: nn.Module, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``head.config`` as ``config.json`` and ``head.state_dict()`` as ``model.safetensors`` to
+    out_dir (an :class:`EagleHead`: no ``embed_tokens``, no ``lm_head``). Floating-point tensors are
+    cast to ``dtype``; integer and bool ones (an EAGLE-3 head's ``d2t`` / ``t2d``) are kept as they are."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = head.config
     cfg.dtype = str(dtype).removeprefix("torch.")
     cfg.save_pretrained(out_dir)
-    sd = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    sd = {
+        k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in head.state_dict().items()
+    }
     tmp = out_dir / "model.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")

@@ -19,11 +19,24 @@ from typing import Any
 import torch
 
 from vllm_eagle2.training import log
+from vllm_eagle2.training.eagle3_head import Eagle3Head
 from vllm_eagle2.training.features import frequent_vocab
 from vllm_eagle2.training.head import EagleHead
 from vllm_eagle2.training.loss import CE_WEIGHT, Batch, StepStats, batch_loss, make_batch
 
 EVAL_DEPTHS = 3  # held-out top-1 is also reported for depths 2..EVAL_DEPTHS (the head on its own features)
+
+Head = EagleHead | Eagle3Head
+
+
+def _device(head: Head) -> torch.device:
+    """Where the head's weights are."""
+    return head.fc.weight.device
+
+
+def _stats(head: Head) -> StepStats:
+    """An empty accumulator whose loss is the head's (an EAGLE-3 head's is its CE alone)."""
+    return StepStats(ce_weight=1.0) if isinstance(head, Eagle3Head) else StepStats()
 
 
 def epoch_plan(
@@ -91,17 +104,18 @@ class ShardReader:
 
 @torch.no_grad()
 def evaluate(
-    head: EagleHead,
+    head: Head,
     fdir: Path,
     shards: Sequence[dict[str, Any]],
     batch_tokens: int,
     depths: int = EVAL_DEPTHS,
 ) -> dict[str, float]:
     """Held-out metrics: teacher-forced loss parts and top-1/5/10 agreement with the target's argmax, and
-    the top-1 agreement at depths 2..``depths``, where the head reads its own features."""
+    the top-1 agreement at depths 2..``depths``, where the head reads its own features (an EAGLE-3 head:
+    agreement of its draft-vocabulary ranking, a target argmax outside that vocabulary being a miss)."""
     head.eval()
-    reader = ShardReader(fdir, shards, head.lm_head_weight.device)
-    stats = StepStats()
+    reader = ShardReader(fdir, shards, _device(head))
+    stats = _stats(head)
     for shard, seqs in epoch_plan(shards, batch_tokens, 0, 0, shuffle=False):
         stats.add(batch_loss(head, reader.batch(shard, seqs), train=False, depths=depths))
     head.train()
@@ -158,7 +172,7 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def train(
-    head: EagleHead,
+    head: Head,
     fdir: Path,
     train_shards: Sequence[dict[str, Any]],
     eval_shards: Sequence[dict[str, Any]] | None,
@@ -190,7 +204,7 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
     history: dict[str, Any] = {"steps": [], "eval": [], "train_epochs": [], "total_steps": total_steps}
     vocab = None
-    if cfg.vocab_subset > 0:
+    if cfg.vocab_subset > 0 and isinstance(head, EagleHead):  # (an EAGLE-3 head has its own vocabulary)
         vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
         vocab = vocab.to(head.lm_head_weight.device)
         log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
@@ -235,7 +249,7 @@ def train(
             },
         )
 
-    reader = ShardReader(fdir, train_shards, head.lm_head_weight.device)
+    reader = ShardReader(fdir, train_shards, _device(head))
     head.train()
     last_save = time.perf_counter()
     stopped_early = False
@@ -248,7 +262,7 @@ def train(
             dynamic_ncols=True,
             disable=not progress,
         )
-        run = StepStats()
+        run = _stats(head)
         ema: float | None = None
         while step_in_epoch < len(plan):
             if cfg.max_minutes is not None and train_seconds >= 60 * cfg.max_minutes:

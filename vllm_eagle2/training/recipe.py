@@ -1,4 +1,5 @@
-"""Train an EAGLE-1/EAGLE-2 draft head for a Llama-family target, in vLLM's ``eagle`` head format.
+"""Train an EAGLE-1/EAGLE-2 draft head for a Llama-family target, in vLLM's ``eagle`` head format, or
+(``--format eagle3``) an EAGLE-3 head in vLLM's ``eagle3`` format.
 
 Pipeline (one command, reproducible from ``--seed``):
 
@@ -39,6 +40,23 @@ Pipeline (one command, reproducible from ``--seed``):
    ``EagleHead.forward_unrolled``); a head trained teacher-forced only drifts on its own features
    (measured: 48.6% top-1 at depth 1, 28.0% at depth 2). ``--init-from HEAD`` starts from a trained
    head, so this can run as a fine-tuning stage.
+4b. EAGLE-3 heads, ``--format eagle3`` (vLLM's ``Eagle3LlamaForCausalLM``, see ``training/eagle3_head.py``):
+   the features also store the target's residual stream entering the ``--aux-layers`` (default vLLM's
+   ``2, N//2, N-3`` for N target layers; 2,15,27 for SmolLM2-135M). At position ``i`` the head reads
+   ``g = fc(cat(a_i^l))`` [3 Ht -> H] and the token ``t_{i+1}``: ``x = cat(n_in(embed), n_hidden(g))``
+   [2H] into one Llama layer (q/k/v over 2H, residual g), then a final norm and its OWN ``lm_head`` over
+   a draft vocabulary: the ``--draft-vocab`` (default 32,000) most frequent reply tokens (the ranking
+   of ``draft_vocab.json``; then the tokens the target predicts most), sorted by id. Later drafting
+   depths read the head's own pre-norm output as g, without fc. Init: lm_head = the target's rows of
+   the draft vocabulary, fc = [I | I | I] / 3 (g starts as the mean of the aux layers' residual
+   streams: measured better than the last one alone or a random fc), the layer = the target's last
+   one reading n_in(e) + n_hidden(g) (q/k/v = [W | W]) with its output projections scaled by 0.1,
+   norms from the target. Loss: the cross-entropy alone (no
+   regression, as in EAGLE-3) of the head's draft-vocabulary logits against the target's next-token
+   distribution ``softmax(lm_head(z_{i+1}))`` restricted to and renormalised over the draft vocabulary,
+   at depths 1..``--train-depths`` (weighted as above). Held-out top-k: agreement with the target's
+   argmax, which counts as a miss when it is outside the draft vocabulary. ``--ce-weight``,
+   ``--vocab-subset``, ``--reg-only-ratio``, ``--num-layers`` and ``--fc-bias`` are EAGLE-1/2 options.
 5. AdamW, linear warm-up then cosine decay, gradient clipping; a tqdm bar shows loss and running
    top-1 / top-5 agreement; after every epoch the held-out set is evaluated (teacher-forced: how often
    the head's argmax equals the target's argmax, and how often the target's argmax is in the head's
@@ -50,7 +68,12 @@ Pipeline (one command, reproducible from ``--seed``):
    ``fc.weight`` [H, 2H] (+ ``fc.bias`` with ``--fc-bias``: loadable by the eagle2 plugin's head, not by
    vLLM's built-in ``eagle``) and ``layers.0.*`` (no ``input_layernorm``; ``layers.1.*`` .. with one),
    no ``embed_tokens``, no ``lm_head`` (vLLM shares the target's); and ``training.json`` (command, seed,
-   data sizes, timings, held-out metrics per epoch).
+   data sizes, timings, held-out metrics per epoch). ``--format eagle3``: ``config.json`` with
+   ``architectures=["LlamaForCausalLMEagle3"]``, one layer, the target's ``vocab_size``,
+   ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``; the tensors
+   ``midlayer.*``, ``norm.weight``, ``fc.weight`` [H, 3 Ht], ``lm_head.weight`` [Vd, H] and, when the
+   draft vocabulary is smaller than the target's, ``d2t`` int64 [Vd] (target id - draft index) and
+   ``t2d`` bool [V]. No ``embed_tokens`` (vLLM shares the target's).
 
 Set-up::
 
@@ -61,6 +84,12 @@ Example (about 20 minutes on 2 CPU cores)::
 
     nice -n 19 .venv/bin/python scripts/train_eagle_head.py --num-conversations 300 --epochs 3 \\
         --output heads/smollm2-135m-eagle --seed 0
+
+An EAGLE-3 head (aux layers 2,15,27 and a 32,000-token draft vocabulary by default; on 2 CPU cores
+about 7 minutes of features, then about 13 minutes per epoch at ``--train-depths 3``, 4 at depth 1)::
+
+    nice -n 19 .venv/bin/python scripts/train_eagle_head.py --format eagle3 --num-conversations 300 \\
+        --epochs 3 --train-depths 3 --output heads/smollm2-135m-eagle3 --seed 0
 """
 
 from __future__ import annotations
@@ -78,6 +107,7 @@ from typing import Any
 
 import torch
 
+from vllm_eagle2 import draft_vocab
 from vllm_eagle2.datasets import SHAREGPT
 from vllm_eagle2.smollm2 import DEFAULT_TARGET, REPO_ROOT
 from vllm_eagle2.training import log, replies
@@ -87,8 +117,21 @@ from vllm_eagle2.training.conversations import (
     select_conversations,
     write_token_ranking,
 )
-from vllm_eagle2.training.features import TARGET_TOPK, extract_features
-from vllm_eagle2.training.head import build_head, check_aux_layers, export_head, load_head_weights
+from vllm_eagle2.training.eagle3_head import (
+    Eagle3Head,
+    build_eagle3_head,
+    eagle3_aux_layers,
+    load_eagle3_weights,
+    select_draft_vocab,
+)
+from vllm_eagle2.training.features import TARGET_TOPK, extract_features, frequent_vocab
+from vllm_eagle2.training.head import (
+    EagleHead,
+    build_head,
+    check_aux_layers,
+    export_head,
+    load_head_weights,
+)
 from vllm_eagle2.training.loop import TrainConfig, evaluate, train
 from vllm_eagle2.training.loss import UNROLL_DECAY
 
@@ -111,7 +154,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     # before the data and the features, which take minutes to hours
-    check_aux_layers(AutoConfig.from_pretrained(str(target)), args.aux_layers)
+    tcfg = AutoConfig.from_pretrained(str(target))
+    eagle3 = args.format == "eagle3"
+    if eagle3:
+        _check_eagle3_options(args)
+        args.aux_layers = eagle3_aux_layers(tcfg, args.aux_layers)
+        args.draft_vocab = min(args.draft_vocab, tcfg.vocab_size)
+        log(f"EAGLE-3 head: aux layers {args.aux_layers}, draft vocabulary of {args.draft_vocab} tokens")
+    check_aux_layers(tcfg, args.aux_layers)
     if args.max_tokens_per_conversation > args.batch_tokens:
         log(f"--max-tokens-per-conversation lowered to --batch-tokens ({args.batch_tokens})")
         args.max_tokens_per_conversation = args.batch_tokens
@@ -184,19 +234,29 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
         return 0
 
-    head = build_head(
-        target,
-        init=args.init,
-        fc_bias=args.fc_bias,
-        seed=args.seed,
-        num_layers=args.num_layers,
-        aux_layers=args.aux_layers,
-    )
-    if args.init_from is not None:
-        load_head_weights(head, args.init_from)
-    head.to(device)
     eval_shards = manifest["splits"]["eval"]["shards"]
     train_shards = manifest["splits"]["train"]["shards"]
+    head: EagleHead | Eagle3Head
+    if eagle3:
+        fill = frequent_vocab(fdir, train_shards, args.draft_vocab, tcfg.vocab_size).tolist()
+        draft_ids = select_draft_vocab(
+            draft_vocab.read_ranking(args.output), args.draft_vocab, tcfg.vocab_size, fill
+        )
+        head = build_eagle3_head(target, args.aux_layers, draft_ids, init=args.init, seed=args.seed)
+        if args.init_from is not None:
+            load_eagle3_weights(head, args.init_from)
+    else:
+        head = build_head(
+            target,
+            init=args.init,
+            fc_bias=args.fc_bias,
+            seed=args.seed,
+            num_layers=args.num_layers,
+            aux_layers=args.aux_layers,
+        )
+        if args.init_from is not None:
+            load_head_weights(head, args.init_from)
+    head.to(device)
     extra_eval = {}
     if "eval_distilled" in manifest["splits"]:
         name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
@@ -212,7 +272,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         feature_noise=args.feature_noise,
         ce_weight=args.ce_weight,
         reg_only_ratio=args.reg_only_ratio,
-        vocab_subset=args.vocab_subset,
+        vocab_subset=0 if eagle3 else args.vocab_subset,
         depths=args.train_depths,
         seed=args.seed,
         save_every_minutes=args.save_every_minutes,
@@ -225,7 +285,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         del fields["reg_only_ratio"]  # (keeps the keys of the runs made before the option)
     init = str(args.init_from.resolve()) if args.init_from else args.init
     aux = [args.aux_layers] if args.aux_layers else []  # (keeps the keys of runs without aux layers)
-    key = json.dumps([fields, init, args.fc_bias, args.num_layers, *aux])
+    fmt = [["eagle3", args.draft_vocab]] if eagle3 else []  # (keeps the keys of EAGLE-1/2 runs)
+    key = json.dumps([fields, init, args.fc_bias, args.num_layers, *aux, *fmt])
     setting = hashlib.sha256(key.encode()).hexdigest()[:8]
     checkpoint = fdir / f"checkpoint-seed{args.seed}-{setting}.pt"
     init_eval: dict[str, Any] | None = None
@@ -268,23 +329,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             "eval_assistant_tokens": eval_set.num_masked,
             "features": str(fdir),
         },
-        "loss": f"smooth_l1(head_out, z_next) + {args.ce_weight} * CE(softmax(lm_head(z_next)), "
-        "lm_head(head_out)), on positions predicting assistant tokens"
-        + (
-            f"; CE over {args.vocab_subset} frequent tokens + the batch's target top-{TARGET_TOPK}"
-            if args.vocab_subset
-            else ""
-        )
-        + (
-            f"; depths 2..{args.train_depths} on the head's own features, weighted {UNROLL_DECAY}^(depth-1)"
-            if args.train_depths > 1
-            else ""
-        )
-        + (
-            f"; the first {args.reg_only_ratio:g} of the steps on the regression alone"
-            if args.reg_only_ratio
-            else ""
-        ),
+        "format": args.format,
+        "loss": _loss_text(args),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "timings_seconds": {
@@ -294,6 +340,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         },
         "initial_eval": init_eval,
     }
+    if eagle3:
+        record["draft_vocab_size"] = int(draft_ids.numel())
 
     def on_epoch_end(epoch: int, history: dict[str, Any]) -> None:
         export_head(head, args.output)
@@ -317,6 +365,52 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         log(f"held-out top1 {final['top1']:.4f} top5 {final['top5']:.4f} top10 {final['top10']:.4f}")
     log(f"head written to {args.output} in {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def _check_eagle3_options(args: argparse.Namespace) -> None:
+    """Exit on EAGLE-1/2 options given with ``--format eagle3`` (they would be silently ignored)."""
+    bad = [
+        name
+        for name, given in (
+            ("--num-layers", args.num_layers != 1),
+            ("--fc-bias", args.fc_bias),
+            ("--reg-only-ratio", args.reg_only_ratio > 0),
+        )
+        if given
+    ]
+    if bad:
+        raise SystemExit(f"error: {', '.join(bad)} not available with --format eagle3 (one layer, CE only)")
+    if args.draft_vocab < 1:
+        raise SystemExit("error: --draft-vocab must be positive")
+
+
+def _loss_text(args: argparse.Namespace) -> str:
+    """The loss, in words, for training.json."""
+    deep = (
+        f"; depths 2..{args.train_depths} on the head's own features, weighted {UNROLL_DECAY}^(depth-1)"
+        if args.train_depths > 1
+        else ""
+    )
+    if args.format == "eagle3":
+        return (
+            "CE(softmax(lm_head(z_next)) restricted to and renormalised over the draft vocabulary, "
+            "lm_head_draft(norm(head_out))), on positions predicting assistant tokens" + deep
+        )
+    return (
+        f"smooth_l1(head_out, z_next) + {args.ce_weight} * CE(softmax(lm_head(z_next)), "
+        "lm_head(head_out)), on positions predicting assistant tokens"
+        + (
+            f"; CE over {args.vocab_subset} frequent tokens + the batch's target top-{TARGET_TOPK}"
+            if args.vocab_subset
+            else ""
+        )
+        + deep
+        + (
+            f"; the first {args.reg_only_ratio:g} of the steps on the regression alone"
+            if args.reg_only_ratio
+            else ""
+        )
+    )
 
 
 def _version(module: str) -> str | None:
