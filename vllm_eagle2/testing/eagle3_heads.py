@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from vllm_eagle2.testing.targets import _llama_config, _load_config, _load_state, _normal
+from vllm_eagle2.testing.targets import _head_config, _load_config, _load_state, _normal
 
 __all__ = ["build_eagle3_head"]
 
@@ -123,19 +123,7 @@ def build_eagle3_head(
         t2d[ids] = True
         sd["t2d"] = t2d
 
-    cfg = _llama_config(
-        vocab_size=vocab,
-        hidden_size=h,
-        num_layers=1,
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        intermediate_size=inter,
-        max_position_embeddings=tcfg["max_position_embeddings"],
-        dtype=dtype,
-        bos_token_id=tcfg.get("bos_token_id"),
-        eos_token_id=tcfg.get("eos_token_id"),
-        pad_token_id=tcfg.get("pad_token_id"),
-    )
+    cfg = _head_config(tcfg, 1, dtype)
     cfg.architectures = ["LlamaForCausalLMEagle3"]
     cfg.draft_vocab_size = vd
     cfg.target_hidden_size = h

@@ -18,8 +18,8 @@ import torch
 
 from vllm_eagle2.testing.targets import (
     TargetKind,
+    _head_config,
     _layer_weights,
-    _llama_config,
     _load_config,
     _load_state,
     _normal,
@@ -118,19 +118,7 @@ def build_eagle_head(
     if include_embed:
         sd["embed_tokens.weight"] = tsd["model.embed_tokens.weight"].clone()
 
-    cfg = _llama_config(
-        vocab_size=tcfg["vocab_size"],
-        hidden_size=h,
-        num_layers=num_layers,
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        intermediate_size=inter,
-        max_position_embeddings=tcfg["max_position_embeddings"],
-        dtype=dtype,
-        bos_token_id=tcfg.get("bos_token_id"),
-        eos_token_id=tcfg.get("eos_token_id"),
-        pad_token_id=tcfg.get("pad_token_id"),
-    )
+    cfg = _head_config(tcfg, num_layers, dtype)
     cfg.save_pretrained(out)
     _save_safetensors(sd, out / "model.safetensors", dtype)
     return out

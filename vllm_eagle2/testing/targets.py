@@ -6,9 +6,9 @@
   of kind "random", "oracle" or "partial" (what the kinds mean and why the oracle pair is exact under
   vLLM's semantics: the :mod:`vllm_eagle2.testing` docstring).
 
-The weight helpers here (``_normal``, ``_layer_weights``, ``_llama_config``, ``_save_safetensors``,
-``_load_state``, ``_load_config``) are shared with :mod:`vllm_eagle2.testing.heads` and
-:mod:`vllm_eagle2.testing.reference`.
+The weight helpers here (``_normal``, ``_layer_weights``, ``_llama_config``, ``_head_config``,
+``_save_safetensors``, ``_load_state``, ``_load_config``) are shared with :mod:`vllm_eagle2.testing.heads`,
+:mod:`vllm_eagle2.testing.eagle3_heads` and :mod:`vllm_eagle2.testing.reference`.
 """
 
 from __future__ import annotations
@@ -167,6 +167,23 @@ def _llama_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def _head_config(tcfg: dict, num_layers: int, dtype: torch.dtype):
+    """A head's ``LlamaConfig``: the target's (``tcfg``, its config.json) shape with ``num_layers`` layers."""
+    return _llama_config(
+        vocab_size=tcfg["vocab_size"],
+        hidden_size=tcfg["hidden_size"],
+        num_layers=num_layers,
+        num_heads=tcfg["num_attention_heads"],
+        num_kv_heads=tcfg["num_key_value_heads"],
+        intermediate_size=tcfg["intermediate_size"],
+        max_position_embeddings=tcfg["max_position_embeddings"],
+        dtype=dtype,
+        bos_token_id=tcfg.get("bos_token_id"),
+        eos_token_id=tcfg.get("eos_token_id"),
+        pad_token_id=tcfg.get("pad_token_id"),
     )
 
 

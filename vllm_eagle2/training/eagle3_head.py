@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vllm_eagle2.training.features import frozen_target_weights, load_target_tensors
-from vllm_eagle2.training.head import _MLP, _Attention, _Norm, head_config
+from vllm_eagle2.training.head import _MLP, _Attention, _Norm, head_config, unroll_inputs
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DEFAULT_DRAFT_VOCAB = 32_000  # published EAGLE-3 Llama heads' draft vocabulary (capped at the target's)
@@ -158,13 +158,7 @@ class Eagle3Head(nn.Module):
         """
         if aux is None:
             raise ValueError("an EAGLE-3 head reads the target's aux hidden states: pass aux [T, A * Ht]")
-        emb = self.embed_weight[tokens].float()
-        with torch.no_grad():
-            cos, sin = self.rotary(emb[None], positions[None].long())
-        cos, sin = cos[0].float(), sin[0].float()
-        prev = torch.arange(tokens.numel(), device=tokens.device) - 1
-        starts = torch.tensor([0, *seq_lens], device=tokens.device).cumsum(0)[: len(seq_lens)]
-        prev[starts] = starts
+        emb, cos, sin, prev = unroll_inputs(self.embed_weight, self.rotary, tokens, positions, seq_lens)
         g = self.fc(aux.float())
         outs: list[torch.Tensor] = []
         past: list[tuple[torch.Tensor, torch.Tensor]] = []

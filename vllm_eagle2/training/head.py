@@ -250,14 +250,7 @@ class EagleHead(nn.Module):
         (EAGLE-3's training-time test). The first s - 1 rows of each sequence have no such input and
         read their own row's: callers leave them out of the loss.
         """
-        emb = self.embed_weight[tokens].float()
-        with torch.no_grad():
-            cos, sin = self.rotary(emb[None], positions[None].long())
-        cos, sin = cos[0].float(), sin[0].float()
-        # row r-1 of the same sequence; a sequence's first row reads itself
-        prev = torch.arange(tokens.numel(), device=tokens.device) - 1
-        starts = torch.tensor([0, *seq_lens], device=tokens.device).cumsum(0)[: len(seq_lens)]
-        prev[starts] = starts
+        emb, cos, sin, prev = unroll_inputs(self.embed_weight, self.rotary, tokens, positions, seq_lens)
         feats = hidden.float()
         if hasattr(self, "aux_fc"):
             if aux is None:
@@ -274,6 +267,25 @@ class EagleHead(nn.Module):
             outs.append(out)
             feats = out.index_select(0, prev)
         return outs
+
+
+def unroll_inputs(
+    embed_weight: torch.Tensor,
+    rotary: nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every drafting depth of a packed batch shares: token embeddings [T, H] (float32), RoPE
+    cos / sin [T, D], and ``prev`` [T] int64, row r-1 of the same sequence (a first row: itself), the row
+    whose output a depth >= 2 reads."""
+    emb = embed_weight[tokens].float()
+    with torch.no_grad():
+        cos, sin = rotary(emb[None], positions[None].long())
+    prev = torch.arange(tokens.numel(), device=tokens.device) - 1
+    starts = torch.tensor([0, *seq_lens], device=tokens.device).cumsum(0)[: len(seq_lens)]
+    prev[starts] = starts
+    return emb, cos[0].float(), sin[0].float(), prev
 
 
 def head_config(target_cfg: Any, num_layers: int = 1) -> Any:
