@@ -62,6 +62,12 @@ def test_conversations_mark_the_reply_and_leave_held_out_prompts_out(folder: Pat
     assert masks == [[False] * 4 + [True] * 3]
 
 
+def test_conversations_can_stop_at_a_prompt_index(folder: Path) -> None:
+    replies.add_slice(folder, "chat", 0, 0, [[20, 21, 2], [22, 23, 2], [24, 25, 2]], {})
+    names, _, _ = replies.conversations(folder, "chat", max_tokens=100, limit=2)
+    assert names == ["p0", "p1"]
+
+
 def test_batched_greedy_replies_equal_one_prompt_at_a_time(tmp_path: Path) -> None:
     """Left padding and sorting by length change no token of any reply (float32 tiny target)."""
     from transformers import LlamaForCausalLM

@@ -136,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sharegpt prompt set",
     )
     p.add_argument(
+        "--replies-prompts",
+        type=int,
+        default=None,
+        help="with --replies: only the replies to its first N sharegpt prompts (default: all)",
+    )
+    p.add_argument(
         "--eval-replies",
         default=None,
         help="a prompt set of --replies held out for evaluation (e.g. mtbench); the main held-out set "

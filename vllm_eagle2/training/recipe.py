@@ -188,7 +188,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         getattr(train_set, key).extend(getattr(distilled, key))
     committed = Sequences()
     if args.replies is not None:
-        names, ids, masks = replies.conversations(args.replies, "sharegpt", max_tokens, set(eval_set.names))
+        names, ids, masks = replies.conversations(
+            args.replies, "sharegpt", max_tokens, set(eval_set.names), limit=args.replies_prompts
+        )
         committed = Sequences(ids, masks, names)
         for key in ("ids", "masks", "names"):
             getattr(train_set, key).extend(getattr(committed, key))

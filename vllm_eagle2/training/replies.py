@@ -185,12 +185,12 @@ def verify(folder: Path) -> list[str]:
 
 
 def conversations(
-    folder: Path, name: str, max_tokens: int, exclude: set[str] = frozenset()
+    folder: Path, name: str, max_tokens: int, exclude: set[str] = frozenset(), limit: int | None = None
 ) -> tuple[list[str], list[list[int]], list[list[bool]]]:
     """Training sequences from every slice of every series over prompt set ``name``: (names, prompt +
     reply ids cut to ``max_tokens``, masks marking the reply tokens; a prompt with replies in two
-    series gives two sequences of one name). Prompts named in ``exclude`` (held out) and replies under
-    2 tokens are left out."""
+    series gives two sequences of one name). Prompts named in ``exclude`` (held out), prompts from
+    index ``limit`` on (None: all) and replies under 2 tokens are left out."""
     names, prompts = prompt_set(folder, name)
     out: tuple[list[str], list[list[int]], list[list[bool]]] = ([], [], [])
     for s in load_manifest(folder)["slices"]:
@@ -199,7 +199,7 @@ def conversations(
         with np.load(folder / s["file"]) as data:
             replies = unpack(data)
         for i, reply in zip(range(s["start"], s["end"]), replies):
-            if names[i] in exclude or len(reply) < 2:
+            if names[i] in exclude or len(reply) < 2 or (limit is not None and i >= limit):
                 continue
             ids = (prompts[i] + reply)[:max_tokens]
             out[0].append(names[i])
