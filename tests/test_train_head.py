@@ -17,12 +17,12 @@ import torch
 
 from vllm_eagle2 import datasets
 from vllm_eagle2 import head_scaling as scaling
+from vllm_eagle2.head_files import default_aux_layers
 from vllm_eagle2.testing import EagleHeadReference, build_target
 from vllm_eagle2.training.cli import main, parse_args
 from vllm_eagle2.training.conversations import Sequences, load_distilled, render_conversation
 from vllm_eagle2.training.eagle3_head import (
     build_eagle3_head,
-    default_aux_layers,
     eagle3_aux_layers,
     load_eagle3_weights,
     select_draft_vocab,

@@ -104,6 +104,11 @@ def _check_hidden_size(head: Any, key: str, size: Any, target: TargetShape) -> N
         )
 
 
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM 0.32's default EAGLE-3 aux layers for a Llama target of ``num_layers`` layers (low, mid, high)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def eagle3_aux_layers(cfg: dict[str, Any], num_layers: int | None) -> tuple[int, ...] | None:
     """The layer ids an EAGLE-3 head names (vLLM reads the top-level key, then ``eagle_config``'s),
     else vLLM's defaults for a Llama target of ``num_layers`` layers; None if neither is known."""
@@ -113,7 +118,7 @@ def eagle3_aux_layers(cfg: dict[str, Any], num_layers: int | None) -> tuple[int,
         return tuple(ids)
     if num_layers is None:
         return None
-    return (2, num_layers // 2, num_layers - 3)
+    return tuple(default_aux_layers(num_layers))
 
 
 def _check_eagle3(

@@ -19,7 +19,6 @@ and, when Vd is below the target's vocabulary, ``d2t`` int64 [Vd] and ``t2d`` bo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,20 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_eagle2.head_files import default_aux_layers
 from vllm_eagle2.training.features import frozen_target_weights, load_target_tensors
-from vllm_eagle2.training.head import _MLP, _Attention, _Norm, head_config, unroll_inputs
+from vllm_eagle2.training.head import _MLP, _Attention, _Norm, fan_in_init_, head_config, unroll_inputs
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DEFAULT_DRAFT_VOCAB = 32_000  # published EAGLE-3 Llama heads' draft vocabulary (capped at the target's)
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 aux layers for a Llama target of ``num_layers`` layers: (2, N//2, N-3)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def eagle3_aux_layers(target_cfg: Any, aux_layers: Sequence[int]) -> list[int]:
-    """The aux layers an EAGLE-3 head reads: ``aux_layers`` (default :func:`default_aux_layers`), sorted
+    """The aux layers an EAGLE-3 head reads: ``aux_layers`` (default vLLM's, ``default_aux_layers``), sorted
     ascending (vLLM concatenates the states in layer order); exits naming ``--aux-layers`` unless they are
     distinct target layers 0..L-1."""
     n = target_cfg.num_hidden_layers
@@ -222,11 +217,7 @@ def build_eagle3_head(
     head = Eagle3Head(cfg, embed, lm_head, draft_ids)
     h = cfg.hidden_size
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        fan_in_init_(head)
         head.lm_head.weight.copy_(lm_head.index_select(0, draft_ids).float())
         if init == "target":
             last = f"model.layers.{tcfg.num_hidden_layers - 1}."

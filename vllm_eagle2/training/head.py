@@ -288,6 +288,17 @@ def unroll_inputs(
     return emb, cos[0].float(), sin[0].float(), prev
 
 
+@torch.no_grad()
+def fan_in_init_(head: nn.Module) -> None:
+    """Every matrix N(0, 1/fan_in), every bias 0 (norm weights keep their 1): the random init both heads
+    start from before any target weights are copied in."""
+    for name, p in head.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 2:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+
+
 def head_config(target_cfg: Any, num_layers: int = 1) -> Any:
     """The head's ``LlamaConfig``: the target's, with ``num_layers`` layers and the Llama architecture."""
     from transformers import LlamaConfig
@@ -342,11 +353,7 @@ def build_head(
     head = EagleHead(cfg, embed, lm_head, fc_bias=fc_bias)
     h = cfg.hidden_size
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        fan_in_init_(head)
         if init == "target":
             last = tcfg.num_hidden_layers - 1
             prefix = f"model.layers.{last}."
