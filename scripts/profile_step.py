@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree", default="dynamic")
     p.add_argument("--draft-vocab", type=int, default=0, help="eagle2 draft_vocab_size (0 = whole)")
     p.add_argument("--never", action="store_true", help="eagle2 priced never to draft")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="eagle2's adaptive budget on measured costs (default: the fixed tree)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--output", type=Path, default=Path("profile.json"), help="JSON file (.md beside)")

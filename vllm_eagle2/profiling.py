@@ -232,6 +232,9 @@ def profile(args: argparse.Namespace) -> str:
         from vllm_eagle2.adaptive import COSTS_ENV
 
         spec["budget"], label, env = "adaptive", "eagle2 never drafting", {COSTS_ENV: NEVER_COSTS}
+    elif args.adaptive:
+        # the adaptive budget on measured costs, as served: these sizes are its upper bounds
+        spec["budget"], label = "adaptive", f"{label} adaptive"
     rows = [run("no speculation", None, args, prompts, timers), run(label, spec, args, prompts, timers, env)]
     text = (
         f"Step-time breakdown: {args.model.name} + {args.head.name}, {args.dataset}, {len(prompts)} prompts, "

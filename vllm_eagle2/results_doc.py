@@ -28,6 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from vllm_eagle2.bench.records import speedup_text
 from vllm_eagle2.smollm2 import REPO_ROOT
 
 RESULTS = REPO_ROOT / "results"
@@ -51,7 +52,8 @@ def _depths(n: int) -> Callable[[dict[str, Any]], str]:
 ROW_FIELDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "tau": lambda row: f"{row['tau']:.2f}",
     "tps": lambda row: f"{row['tokens_per_s']:.1f}",
-    "x": lambda row: f"{row['speedup']:.2f}x",
+    "x": speedup_text,  # with the range over rounds when there were several
+    "skip": lambda row: f"{row['budget']['steps_without_drafts'] / row['budget']['steps']:.0%}",
     "acc1": _depths(1),
     "acc2": _depths(2),
     "acc3": _depths(3),

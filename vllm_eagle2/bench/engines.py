@@ -21,7 +21,8 @@ def read_budget(llm: Any, run: Run) -> dict[str, Any] | None:
 
 
 def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the timed passes did: steps, steps without drafts, mean drafts per step, plans chosen."""
+    """What the timed passes did: steps, steps without drafts, mean drafts per step, plans chosen (and how
+    often the plan was recomputed)."""
     if before is None or after is None:
         return None
     steps = after["steps"] - before["steps"]
@@ -34,6 +35,7 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         "drafts_per_step": {k: v for k, v in hist.items() if v},
         "shapes": {k: v for k, v in shapes.items() if v},
         "overhead_ms": round(after["overhead_ms"], 3),
+        "replans": after["replans"] - before["replans"],
     }
 
 
@@ -97,15 +99,23 @@ def run_engine(
 def run_all(
     args: argparse.Namespace, target: Target, prompts: list[dict[str, list[int]]], batch_sizes: list[int]
 ) -> list[Run]:
-    """Every planned run at every batch size; a run that fails keeps its error and the others go on."""
+    """Every planned run at every batch size, ``args.rounds`` times; a run that fails keeps its error and
+    the others go on.
+
+    Rounds alternate the order of the engines (first to last, then last to first), so that a machine
+    slowing down or speeding up over a round weighs on each engine alike across two rounds.
+    """
     runs: list[Run] = []
     for bs in batch_sizes:
-        for run in plan_runs(args, target, bs):
-            try:
-                runs.append(run_engine(run, target, prompts, args))
-            except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
-                run.error = f"{type(exc).__name__}: {exc}"
-                log(f"{run.label}: FAILED {run.error}")
-                runs.append(run)
-                gc.collect()
+        for round_ in range(max(1, args.rounds)):
+            plan = plan_runs(args, target, bs)
+            for run in plan if round_ % 2 == 0 else plan[::-1]:
+                run.round = round_
+                try:
+                    runs.append(run_engine(run, target, prompts, args))
+                except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
+                    run.error = f"{type(exc).__name__}: {exc}"
+                    log(f"{run.label}: FAILED {run.error}")
+                    runs.append(run)
+                    gc.collect()
     return runs

@@ -13,12 +13,21 @@ from typing import Any
 from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import Target
 from vllm_eagle2.bench.plot import plot
-from vllm_eagle2.bench.records import Run, result_rows
+from vllm_eagle2.bench.records import Run, result_rows, speedup_text
 
 
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages (other work on the machine skews the speeds)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def _rounds_note(rounds: int) -> str:
+    if rounds <= 1:
+        return ""
+    return (
+        f" Every engine ran in {rounds} rounds (alternating order); speed-ups are the median of the rounds'"
+        " own, each against its round's no speculation, with their range; tokens/s is the median round's."
+    )
 
 
 def markdown_table(rows: list[dict[str, Any]], greedy: bool) -> str:
@@ -46,7 +55,7 @@ def markdown_table(rows: list[dict[str, Any]], greedy: bool) -> str:
             r["label"],
             str(r["batch_size"]),
             f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "-",
-            f"{r['speedup']:.2f}x" if r.get("speedup") else "-",
+            speedup_text(r),
             f"{r['tau']:.2f}" if r["tau"] is not None else "-",
             " ".join(f"{x:.2f}" for x in r["acceptance_per_pos"][:8]) or "-",
             ident,
@@ -95,6 +104,8 @@ def build_results(
             "eagle_k": args.eagle_k,
             "ignore_eos": args.tiny,
             "seed": args.seed,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
@@ -123,7 +134,8 @@ def markdown_report(results: dict[str, Any], sweep: bool) -> list[str]:
         f"{setup['temperature']}, {setup['dtype']}, eagle2 m={eagle2['num_speculative_tokens']} "
         f"depth={eagle2['depth']} topk={eagle2['topk']}; vLLM eagle: best of k={setup['eagle_k']} "
         f"by tokens/s. Load average at start / end: {setup['load_average_start'][0]} / "
-        f"{setup['load_average_end'][0]} on {setup['cpu_count']} CPUs.",
+        f"{setup['load_average_end'][0]} on {setup['cpu_count']} CPUs."
+        + _rounds_note(setup.get("rounds", 1)),
         "",
         markdown_table(results["main_rows"], greedy),
     ]

@@ -1,0 +1,94 @@
+"""The benchmark's ``--rounds``: engines started in alternating order, speed-ups paired within a round.
+
+Pure bookkeeping on hand-made runs (no engine starts): what the tables and plots report.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_eagle2.bench import engines
+from vllm_eagle2.bench.records import Run, result_rows
+from vllm_eagle2.bench.report import markdown_table
+
+SPEC = {"method": "eagle2", "model": "head"}
+
+
+def _run(mode: str, round_: int, seconds: float, *, tokens=None, drafts=0.0, accepted=0.0) -> Run:
+    label = "no speculation" if mode == "nospec" else "eagle2 defaults"
+    run = Run(mode, label, 4, None if mode == "nospec" else SPEC, round=round_)
+    run.tokens = tokens or [[1, 2, 3, 4]] * 5  # 20 tokens
+    run.seconds, run.seconds_all = seconds, [seconds]
+    run.drafts, run.accepted, run.accepted_per_pos = drafts, accepted, [accepted]
+    return run
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    # Round 1 is a slow spell of the machine: both engines take twice as long.
+    runs = [
+        _run("nospec", 0, 10.0),
+        _run("defaults", 0, 8.0, drafts=10, accepted=5),
+        _run("nospec", 1, 20.0),
+        _run("defaults", 1, 16.0, drafts=10, accepted=5),
+        _run("nospec", 2, 10.0),
+        _run("defaults", 2, 12.0, drafts=20, accepted=2, tokens=[[1, 2, 3, 4]] * 4 + [[1, 2, 3, 9]]),
+    ]
+    all_rows, _ = result_rows(runs, [4], greedy=True)
+    return all_rows
+
+
+def test_one_row_per_engine_across_rounds(rows: list[dict]) -> None:
+    assert [r["label"] for r in rows] == ["no speculation", "eagle2 defaults"]
+
+
+def test_speedup_is_the_median_of_each_rounds_own_ratio(rows: list[dict]) -> None:
+    """Rounds' ratios 1.25, 1.25, 0.83: the median is 1.25. The ratio of the median times would
+    be 10 / 12 = 0.83, the slow spell counted against eagle2."""
+    spec = rows[1]
+    assert spec["speedup_rounds"] == [1.25, 1.25, 0.833]
+    assert spec["speedup"] == 1.25
+    assert spec["seconds"] == 12.0  # the median round's time, for tokens/s
+
+
+def test_counters_add_up_over_rounds(rows: list[dict]) -> None:
+    spec = rows[1]
+    assert (spec["drafts"], spec["accepted"]) == (40, 12)
+    assert spec["tau"] == 1.3
+    assert spec["acceptance_per_pos"] == [0.3]
+
+
+def test_every_rounds_outputs_are_compared_with_its_own_no_speculation(rows: list[dict]) -> None:
+    spec = rows[1]
+    assert (spec["identical"], spec["compared"], spec["first_divergence"]) == (14, 15, [3])
+
+
+def test_table_shows_the_median_and_range_of_the_speedups(rows: list[dict]) -> None:
+    assert "1.25x (0.83-1.25)" in markdown_table(rows, greedy=True)
+
+
+def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[tuple[int, str]] = []
+
+    def fake_run_engine(run: Run, target, prompts, args) -> Run:
+        order.append((run.round, run.mode))
+        return run
+
+    plan = lambda args, target, bs: [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]  # noqa: E731
+    monkeypatch.setattr(engines, "run_engine", fake_run_engine)
+    monkeypatch.setattr(engines, "plan_runs", plan)
+    runs = engines.run_all(argparse.Namespace(rounds=3), None, [], [1])
+    assert order == [
+        (0, "nospec"),
+        (0, "eagle"),
+        (0, "defaults"),
+        (1, "defaults"),
+        (1, "eagle"),
+        (1, "nospec"),
+        (2, "nospec"),
+        (2, "eagle"),
+        (2, "defaults"),
+    ]
+    assert len({id(r) for r in runs}) == 9  # a fresh run per round: no shared token lists
