@@ -92,3 +92,32 @@ def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPat
         (2, "defaults"),
     ]
     assert len({id(r) for r in runs}) == 9  # a fresh run per round: no shared token lists
+
+
+def test_budget_counters_add_up_over_rounds() -> None:
+    runs = [
+        _run("nospec", 0, 10.0),
+        _run("defaults", 0, 8.0),
+        _run("nospec", 1, 10.0),
+        _run("defaults", 1, 8.0),
+    ]
+    runs[1].budget = {
+        "steps": 10,
+        "steps_without_drafts": 2,
+        "drafts_per_step": {"0": 2, "3": 8},
+        "shapes": {"d0k0": 2, "d1k3": 8},
+        "overhead_ms": 1.0,
+        "replans": 1,
+    }
+    runs[3].budget = {
+        "steps": 5,
+        "steps_without_drafts": 5,
+        "drafts_per_step": {"0": 5},
+        "shapes": {"d0k0": 5},
+        "overhead_ms": 3.0,
+        "replans": 0,
+    }
+    budget = result_rows(runs, [4], greedy=True)[0][1]["budget"]
+    assert (budget["steps"], budget["steps_without_drafts"], budget["replans"]) == (15, 7, 1)
+    assert budget["drafts_per_step"] == {"0": 7, "3": 8}
+    assert budget["mean_drafts_per_step"] == pytest.approx(24 / 15)

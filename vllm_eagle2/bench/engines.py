@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import NEVER_COSTS, Target, plan_runs
-from vllm_eagle2.bench.records import Run
+from vllm_eagle2.bench.records import Run, mean_drafts_per_step
 from vllm_eagle2.engine import build_llm, shutdown_llm, spec_counters, warm_up
 
 
@@ -31,7 +31,7 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return {
         "steps": steps,
         "steps_without_drafts": after["steps_without_drafts"] - before["steps_without_drafts"],
-        "mean_drafts_per_step": sum(int(k) * v for k, v in hist.items()) / steps if steps else 0.0,
+        "mean_drafts_per_step": mean_drafts_per_step(hist, steps),
         "drafts_per_step": {k: v for k, v in hist.items() if v},
         "shapes": {k: v for k, v in shapes.items() if v},
         "overhead_ms": round(after["overhead_ms"], 3),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,25 +73,24 @@ def speedup_text(row: dict[str, Any]) -> str:
     return f"{row['speedup']:.2f}x{spread}"
 
 
+def mean_drafts_per_step(hist: dict[str, int], steps: int) -> float:
+    """Mean drafts per step from a histogram {drafts as a string: steps}."""
+    return sum(int(k) * v for k, v in hist.items()) / steps if steps else 0.0
+
+
 def _budget_sum(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """The adaptive budget's counters of several rounds, added up (None without any)."""
     have = [b for b in budgets if b]
     if not have:
         return None
     steps = sum(b["steps"] for b in have)
-    hist: dict[str, int] = {}
-    shapes: dict[str, int] = {}
-    for b in have:
-        for k, v in b["drafts_per_step"].items():
-            hist[k] = hist.get(k, 0) + v
-        for k, v in b["shapes"].items():
-            shapes[k] = shapes.get(k, 0) + v
+    hist = dict(sum((Counter(b["drafts_per_step"]) for b in have), Counter()))
     return {
         "steps": steps,
         "steps_without_drafts": sum(b["steps_without_drafts"] for b in have),
-        "mean_drafts_per_step": sum(int(k) * v for k, v in hist.items()) / steps if steps else 0.0,
+        "mean_drafts_per_step": mean_drafts_per_step(hist, steps),
         "drafts_per_step": hist,
-        "shapes": shapes,
+        "shapes": dict(sum((Counter(b["shapes"]) for b in have), Counter())),
         "overhead_ms": float(np.median([b["overhead_ms"] for b in have])),
         "replans": sum(b.get("replans", 0) for b in have),
     }

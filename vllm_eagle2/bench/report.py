@@ -22,6 +22,7 @@ def load_average() -> list[float]:
 
 
 def _rounds_note(rounds: int) -> str:
+    """The report's sentence on ``--rounds`` (empty for one round)."""
     if rounds <= 1:
         return ""
     return (
