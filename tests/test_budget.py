@@ -64,11 +64,20 @@ def test_cost_curve_clips_one_outlier():
     assert curve(16) == pytest.approx(1.5)  # half a step of the error clipped to the prediction
 
 
-def test_cost_curve_learns_a_calibration_3_5x_too_cheap_within_five_steps():
-    curve = linear_curve(64, 0.01, 0.0)
-    for _ in range(5):
-        curve.observe(64, 0.035)
-    assert curve(64) == pytest.approx(0.035, rel=0.1)
+def test_cost_curve_averages_out_one_slow_pass():
+    curve = linear_curve(64, 1.0, 0.0)
+    for _ in range(30):
+        curve.observe(16, 2.0)
+    curve.observe(16, 4.0)  # a stall, after the knot has seen many passes
+    assert curve(16) == pytest.approx(2.0, rel=0.1)
+
+
+def test_cost_curve_never_prices_a_pass_below_a_smaller_one():
+    curve = linear_curve(64, 1.0, 0.1)
+    for _ in range(10):
+        curve.observe(4, 3.0)  # a size priced high (a stall, or a slower machine) ...
+        curve.observe(8, 1.5)  # ... and a larger one run since
+    assert curve(4) <= curve(8) == pytest.approx(1.5, rel=0.1)
 
 
 def test_cost_curve_caps_a_stalled_calibration_knot_by_the_larger_ones():
@@ -305,6 +314,25 @@ def test_budget_times_verifying_steps_on_their_own_curve():
     budget.step_started(12)
     budget.target_done()
     assert budget.verify.observed
+
+
+def test_budget_learns_a_calibration_3_5x_too_cheap_within_five_steps():
+    budget = make_budget()
+    budget.target = linear_curve(256, 0.01, 0.0)
+    for _ in range(5):
+        budget.observe_target(64, 0.035, verifies=False)
+    assert budget.speed * budget.target(64) == pytest.approx(0.035, rel=0.1)
+
+
+def test_a_price_not_run_follows_the_machine_speed():
+    budget = make_budget()
+    for _ in range(20):
+        budget.observe_target(12, 0.03, verifies=True)
+        budget.observe_target(4, 0.02, verifies=False)
+    verify_before = budget._costs()["verify"](12)
+    for _ in range(20):  # no drafts pay for a while, and the machine runs 1.5x slower meanwhile
+        budget.observe_target(4, 0.03, verifies=False)
+    assert budget._costs()["verify"](12) == pytest.approx(1.5 * verify_before, rel=0.1)
 
 
 def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():

@@ -37,6 +37,7 @@ from vllm_eagle2.budget import (
     AcceptanceModel,
     CostCurve,
     DraftPlan,
+    ScaledCurve,
     allocate_nodes,
     draft_seconds,
     expected_accepted,
@@ -62,6 +63,8 @@ REPLAN_STEPS = 16
 REPLAN_DRIFT = 0.15
 #: Per step, the overheads move this far towards the measured one.
 OVERHEAD_RATE = 0.2
+#: Per target pass, the machine's speed moves this far towards the one the pass measured.
+SPEED_RATE = 0.3
 # The share of planned drafts the allocation sends, per batch size: an exponential average at
 # KEPT_RATE per drafting step; while it keeps a batch size from drafting, each replan moves it
 # KEPT_RECOVERY of the way back to 1, so drafting is tried again as acceptance changes.
@@ -145,6 +148,9 @@ class AdaptiveBudget:
         self.level = CostCurve(max_batch * topk)
         self.overhead = 0.0
         self.draft_overhead: float | None = None  # None: not measured yet, ``overhead`` stands in
+        # The machine's speed: every price is ``speed`` times its curve (or overhead), which learn
+        # the cost of each size at speed 1. See observe_target.
+        self.speed = 1.0
         self.acceptance = AcceptanceModel(depth, topk)
         # [depth, 2 * topk + 2]: trials | accepts per (depth, rank), then per depth the summed
         # exp(value) of verified nodes and their accepted count.
@@ -218,7 +224,7 @@ class AdaptiveBudget:
         """The runner starts a step over ``tokens`` scheduled tokens."""
         now = time.perf_counter()
         if self._step_host is not None and self.fixed is None:
-            other = max(now - self._step_host - self._step_target - self._step_draft, 0.0)
+            other = max(now - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
             if self._step_verifies or self._step_drafted:
                 # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
                 last = self.overhead if self.draft_overhead is None else self.draft_overhead
@@ -235,16 +241,32 @@ class AdaptiveBudget:
         """The step's target pass, sampling and verification are done (the drafter starts)."""
         if self._step_mark is None:
             return
-        tokens = self._step_tokens
-        curve = self.verify if self._step_verifies else self.target
+        tokens, verifies = self._step_tokens, self._step_verifies
 
         def sink(seconds: float) -> None:
             self._step_target = seconds
             if self.fixed is None:
-                curve.observe(tokens, seconds)
+                self.observe_target(tokens, seconds, verifies=verifies)
 
         self.clock.measure(self._step_mark, self.clock.mark(), sink)
         self._step_mark = None
+
+    def observe_target(self, tokens: int, seconds: float, *, verifies: bool) -> None:
+        """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts).
+
+        The error moves the machine's ``speed`` by ``SPEED_RATE`` (the ratio clipped to
+        [0.5, 2]), and the rest of it the curve of that kind of pass (a running mean,
+        :meth:`CostCurve.observe`). A shared machine speeds up and slows down for every pass
+        alike; were that learnt per curve, a curve the planner stopped running (verification
+        while no drafts pay, plain passes while drafting) would keep the price of the moment it
+        was last run. Through ``speed`` every price follows the passes the engine does run.
+        """
+        curve = self.verify if verifies else self.target
+        predicted = self.speed * float(curve(tokens))
+        if predicted > 0:
+            ratio = min(max(seconds / predicted, 0.5), 2.0)
+            self.speed *= 1.0 + SPEED_RATE * (ratio - 1.0)
+        curve.observe(tokens, seconds / self.speed)
 
     def level_started(self, rows: int) -> None:
         """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
@@ -260,7 +282,7 @@ class AdaptiveBudget:
             def sink(seconds: float, rows: int = rows) -> None:
                 self._step_draft += seconds
                 if self.fixed is None:
-                    self.level.observe(rows, seconds)
+                    self.level.observe(rows, seconds / self.speed)
 
             self.clock.measure(start, end, sink)
         self._levels = []
@@ -318,12 +340,14 @@ class AdaptiveBudget:
     # -- decisions -----------------------------------------------------------------------------
     def _costs(self) -> dict[str, Any]:
         """The cost model as :func:`plan_draft` and :func:`step_cost` take it."""
+        speed = self.speed
+        draft_overhead = self.overhead if self.draft_overhead is None else self.draft_overhead
         return {
-            "target": self.target,
-            "verify": self.verify if self.verify.observed else self.target,
-            "level": self.level,
-            "overhead": self.overhead,
-            "draft_overhead": self.overhead if self.draft_overhead is None else self.draft_overhead,
+            "target": ScaledCurve(self.target, speed),
+            "verify": ScaledCurve(self.verify if self.verify.observed else self.target, speed),
+            "level": ScaledCurve(self.level, speed),
+            "overhead": speed * self.overhead,
+            "draft_overhead": speed * draft_overhead,
         }
 
     def plan(self, batch: int) -> DraftPlan:
@@ -379,7 +403,7 @@ class AdaptiveBudget:
         seconds = costs["verify"](batch + j) + costs["draft_overhead"]
         # Sending no drafts after all spares the next step its verification.
         seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
-        seconds = seconds + draft_seconds(plan, batch, self.level)
+        seconds = seconds + draft_seconds(plan, batch, costs["level"])
         step_seconds = torch.from_numpy(seconds.astype(np.float32)).to(values.device, non_blocking=True)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
 
@@ -415,5 +439,6 @@ class AdaptiveBudget:
             "overhead_ms": self.overhead * 1e3,
             "draft_overhead_ms": None if self.draft_overhead is None else self.draft_overhead * 1e3,
             "replans": self.replans,
+            "speed": round(self.speed, 3),
             "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},
         }
