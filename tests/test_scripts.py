@@ -134,6 +134,38 @@ def test_benchmark_runs_one_eagle3_head_in_vllms_chain_and_in_eagle2_trees(tmp_p
         resolve_target(parse_args([*common, "--modes", "eagle3"]))
 
 
+def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``nospec_sync`` starts vLLM without speculation and with async scheduling off; ``nospec`` leaves
+    vLLM's default."""
+    from vllm_eagle2.bench import engines
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2.testing import build_pair
+
+    class Started(Exception):
+        pass
+
+    started: list[dict] = []
+
+    def build_llm(model, spec, **kwargs):
+        started.append({"spec": spec, **kwargs})
+        raise Started
+
+    monkeypatch.setattr(engines, "build_llm", build_llm)
+    target_dir, head = build_pair(tmp_path, "partial")
+    args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "nospec_sync,nospec"])
+    target = resolve_target(args)
+    for run in plan_runs(args, target, bs=4):
+        with pytest.raises(Started):
+            engines.run_engine(run, target, [], args)
+    sync, default = started
+    assert sync["spec"] is None and sync["async_scheduling"] is False
+    assert default["spec"] is None and "async_scheduling" not in default
+    assert "nospec_sync" not in DEFAULT_MODES
+
+
 def test_benchmark_console_command_runs_the_scripts_main() -> None:
     """``vllm-eagle2-bench`` (setup.py's entry point) is the ``main`` that ``scripts/benchmark.py`` runs."""
     from vllm_eagle2.bench import cli

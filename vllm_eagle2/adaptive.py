@@ -429,6 +429,7 @@ class AdaptiveBudget:
         """Counters since start: steps, steps without drafts, drafts per step and per request
         (histograms, keyed by count), draft shapes planned (``d{depth}k{topk}``; ``d0k0`` = none)."""
         total = sum(n * c for n, c in self.nodes_per_step.items())
+        draft_overhead = None if self.draft_overhead is None else self.speed * self.draft_overhead * 1e3
         return {
             "steps": self.steps,
             "steps_without_drafts": self.steps_without_drafts,
@@ -436,8 +437,8 @@ class AdaptiveBudget:
             "drafts_per_step": {str(n): c for n, c in sorted(self.nodes_per_step.items())},
             "drafts_per_request": {str(n): c for n, c in sorted(self.nodes_per_request.items())},
             "shapes": {f"d{d}k{k}": c for (d, k), c in sorted(self.shapes.items())},
-            "overhead_ms": self.overhead * 1e3,
-            "draft_overhead_ms": None if self.draft_overhead is None else self.draft_overhead * 1e3,
+            "overhead_ms": self.speed * self.overhead * 1e3,
+            "draft_overhead_ms": draft_overhead,
             "replans": self.replans,
             "speed": round(self.speed, 3),
             "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},

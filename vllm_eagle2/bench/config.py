@@ -19,7 +19,7 @@ TREE_MODES = ("chain", "static", "dynamic", "no_value", "no_rerank")
 #: Rows with the EAGLE-3 head (``--eagle3-head``): vLLM's eagle3 chain, and eagle2's dynamic trees.
 EAGLE3_MODES = ("eagle3", "eagle3_trees")
 DEFAULT_MODES = ("nospec", "eagle", "defaults", "never", *TREE_MODES)
-ALL_MODES = ("nospec", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
+ALL_MODES = ("nospec", "nospec_sync", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
 #: ``never``: step costs (``vllm_eagle2.adaptive.COSTS_ENV``) under which no draft ever pays.
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
@@ -137,6 +137,8 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
     for mode in args.modes:
         if mode == "nospec":
             plan.append(Run("nospec", "no speculation", bs, None))
+        elif mode == "nospec_sync":
+            plan.append(Run("nospec_sync", "no speculation, synchronous scheduling", bs, None))
         elif mode == "eagle":
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
