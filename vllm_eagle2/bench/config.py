@@ -138,7 +138,10 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
         if mode == "nospec":
             plan.append(Run("nospec", "no speculation", bs, None))
         elif mode == "nospec_sync":
-            plan.append(Run("nospec_sync", "no speculation, synchronous scheduling", bs, None))
+            # vLLM schedules the next step during the current one only for its own speculative
+            # methods; eagle2 engines run synchronously, as this one does.
+            label, sync = "no speculation, synchronous scheduling", {"async_scheduling": False}
+            plan.append(Run("nospec_sync", label, bs, None, engine_kwargs=sync))
         elif mode == "eagle":
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}

@@ -61,9 +61,7 @@ def run_engine(
         max_model_len=args.max_model_len,
         max_num_seqs=run.batch_size,
         env={COSTS_ENV: NEVER_COSTS} if run.mode == "never" else None,
-        # vLLM schedules the next step during the current one only for its own speculative
-        # methods; eagle2 engines run synchronously, as this mode does.
-        **({"async_scheduling": False} if run.mode == "nospec_sync" else {}),
+        **run.engine_kwargs,
     )
     try:
         run.engine_start_seconds = round(time.perf_counter() - t0, 1)

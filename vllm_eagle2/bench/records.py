@@ -30,6 +30,7 @@ class Run:
     budget: dict[str, Any] | None = None
     error: str | None = None
     round: int = 0  # ``--rounds``: which pass over the batch size's engines timed this run
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to vLLM's ``LLM``
 
     @property
     def num_tokens(self) -> int:
