@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         series = f"{args.set}-t{args.temperature:g}"
         settings.update(temperature=args.temperature, seed=args.sample_seed)
     settings["batch_size"] = args.batch_size
+    if replies.next_slice(args.data, args.set, args.slice_size, series) is None:
+        log(f"every slice of {series or args.set} is filled; nothing to generate")
+        return 0
     make = hf_generator if args.engine == "transformers" else vllm_generator
     generate, info = make(target, args)
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes

@@ -24,6 +24,8 @@ MAX_NEW=${MAX_NEW:-384}             # ShareGPT reply cap (MT-bench: MAX_NEW_EVAL
 MAX_NEW_EVAL=${MAX_NEW_EVAL:-512}
 TEMPERATURE=${TEMPERATURE:-0}       # > 0: fill the sampled series sharegpt-t<T> instead of the greedy one
 EPOCHS=${EPOCHS:-4}
+LR=${LR:-1e-3}
+INIT_FROM=${INIT_FROM:-}            # a trained head to fine-tune (e.g. heads/smollm2-135m-eagle); empty: from scratch
 TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most; with DEADLINE (seconds from the start), less if time is short
 # TRAIN_TOK_S (optional): measured training tokens/s; then EPOCHS is an upper bound, lowered to what fits
 RESERVE=${RESERVE:-130}             # seconds kept for features, evaluations and packing
@@ -57,7 +59,8 @@ fi
 stamp "features and training ($EPOCHS epochs, at most $TRAIN_MINUTES min of training)"
 "$PY" scripts/train_eagle_head.py --target "$TARGET" --replies "$DATA" --eval-replies mtbench \
     --num-conversations 0 --eval-conversations 0 --max-tokens-per-conversation 1024 \
-    --batch-tokens "$BATCH_TOKENS" --epochs "$EPOCHS" --train-depths "$DEPTHS" --lr 1e-3 --min-lr-ratio 0.05 \
-    --ce-weight 0.1 --max-minutes "$TRAIN_MINUTES" --feature-dir "$FEATURES" --output "$HEAD" --seed 0
+    --batch-tokens "$BATCH_TOKENS" --epochs "$EPOCHS" --train-depths "$DEPTHS" --lr "$LR" --min-lr-ratio 0.05 \
+    --ce-weight 0.1 --max-minutes "$TRAIN_MINUTES" --feature-dir "$FEATURES" --output "$HEAD" --seed 0 \
+    ${INIT_FROM:+--init-from "$INIT_FROM"}
 tar -cf "$OUT/head.tar" -C "$(dirname "$HEAD")" "$(basename "$HEAD")"
 stamp "done"
