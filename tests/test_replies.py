@@ -126,3 +126,30 @@ def test_committed_replies_match_their_manifest() -> None:
     manifest = replies.load_manifest(folder)
     assert manifest["slices"], "no committed slices"
     assert replies.verify(folder) == []
+
+
+def test_generate_replies_loads_no_target_when_every_slice_is_filled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU session's recipe calls the generator for data that is all there: it must cost nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "generate_replies", REPO / "scripts" / "generate_replies.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(script, "hf_generator", no_model)
+    data = tmp_path / "data"
+    data.mkdir()
+    replies.add_prompt_set(data, "mtbench", ["p0", "p1", "p2", "p3"], PROMPTS, {"order": "test"})
+    replies.add_slice(data, "mtbench", 0, 0, [[2], [3, 2], [4], [5]], {})
+    target = build_target(tmp_path / "t", seed=0)
+    argv = ["--data", str(data), "--target", str(target), "--set", "mtbench", "--slice-size", "4"]
+    assert script.main(argv) == 0
+    with pytest.raises(AssertionError, match="target was loaded"):  # a sampled series is still empty
+        script.main([*argv, "--temperature", "1"])
