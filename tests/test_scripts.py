@@ -166,6 +166,20 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
     assert "nospec_sync" not in DEFAULT_MODES
 
 
+def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_path: Path) -> None:
+    """``never`` is eagle2 with the adaptive budget priced so that every draft loses (its engine's env)."""
+    from vllm_eagle2.adaptive import COSTS_ENV
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.config import NEVER_COSTS, plan_runs, resolve_target
+    from vllm_eagle2.testing import build_pair
+
+    target_dir, head = build_pair(tmp_path, "partial")
+    args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "never,defaults"])
+    never, defaults = plan_runs(args, resolve_target(args), bs=4)
+    assert never.spec["method"] == "eagle2" and never.engine_kwargs == {"env": {COSTS_ENV: NEVER_COSTS}}
+    assert defaults.engine_kwargs == {}
+
+
 def test_benchmark_console_command_runs_the_scripts_main() -> None:
     """``vllm-eagle2-bench`` (setup.py's entry point) is the ``main`` that ``scripts/benchmark.py`` runs."""
     from vllm_eagle2.bench import cli

@@ -112,7 +112,16 @@ def eagle2_run(
     if mode == "defaults":
         return Run("defaults", "eagle2 defaults", bs, {"method": "eagle2", "model": str(head)})
     if mode == "never":
-        return Run("never", "eagle2 never drafting", bs, {"method": "eagle2", "model": str(head)})
+        from vllm_eagle2.adaptive import COSTS_ENV  # torch: not at import, so --help stays fast
+
+        never = {"env": {COSTS_ENV: NEVER_COSTS}}
+        return Run(
+            "never",
+            "eagle2 never drafting",
+            bs,
+            {"method": "eagle2", "model": str(head)},
+            engine_kwargs=never,
+        )
     spec = {
         "method": "eagle2",
         "model": str(head),

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from vllm_eagle2.bench import log
-from vllm_eagle2.bench.config import NEVER_COSTS, Target, plan_runs
+from vllm_eagle2.bench.config import Target, plan_runs
 from vllm_eagle2.bench.records import Run, mean_drafts_per_step
 from vllm_eagle2.engine import build_llm, shutdown_llm, spec_counters, warm_up
 
@@ -49,8 +49,6 @@ def run_engine(
     """
     from vllm import SamplingParams
 
-    from vllm_eagle2.adaptive import COSTS_ENV  # torch: not at import, so --help stays fast
-
     log(f"{run.label} (batch {run.batch_size}): starting the engine")
     t0 = time.perf_counter()
     llm = build_llm(
@@ -60,7 +58,6 @@ def run_engine(
         seed=args.seed,
         max_model_len=args.max_model_len,
         max_num_seqs=run.batch_size,
-        env={COSTS_ENV: NEVER_COSTS} if run.mode == "never" else None,
         **run.engine_kwargs,
     )
     try:
