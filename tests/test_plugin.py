@@ -8,6 +8,8 @@
 * On a vLLM release the plugin was not written for, nothing is patched: the plugin logs
   why, an eagle2 config fails with that message, and vLLM without speculation still works.
 * A Ray worker gets the method through vLLM's own plugin loading.
+* Where vLLM's CPU build picks its bf16 "amx" KV layout, eagle2 engines get the "vec" layout the
+  tree attention reads; ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1`` gives it to engines without eagle2 too.
 * On vLLM's CPU build the plugin also repairs the expansion of per-request sampling values in
   vLLM's own rejection sampler (its kernel left them uninitialised), for every engine.
 """
@@ -434,6 +436,41 @@ def test_eagle2_config_on_an_unsupported_vllm_fails_with_the_version_message(on_
 
 def test_vllm_without_speculation_still_builds_on_an_unsupported_vllm(on_unsupported_vllm):
     assert on_unsupported_vllm["plain"] is True
+
+
+# -- CPU KV layout -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def isa_where_vllm_picks_amx(monkeypatch):
+    """vLLM's CPU attention ISA choice, as patched by the plugin, on a CPU where vLLM picks "amx"."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_eagle2 import patches
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, **kwargs: "amx")
+    monkeypatch.setitem(patches._state, "cpu_isa_vec", False)
+    monkeypatch.delenv(patches.VEC_LAYOUT_ENV, raising=False)
+    patches._patch_cpu_attention()
+    return cpu_attn._get_attn_isa
+
+
+def test_engines_without_eagle2_keep_vllms_amx_kv_layout(isa_where_vllm_picks_amx):
+    assert isa_where_vllm_picks_amx() == "amx"
+
+
+def test_eagle2_engines_get_the_vec_kv_layout_tree_attention_reads(isa_where_vllm_picks_amx, monkeypatch):
+    from vllm_eagle2 import patches
+
+    monkeypatch.setitem(patches._state, "cpu_isa_vec", True)  # what an eagle2 runner sets
+    assert isa_where_vllm_picks_amx() == "vec"
+
+
+def test_vec_layout_env_gives_engines_without_eagle2_the_vec_kv_layout(isa_where_vllm_picks_amx, monkeypatch):
+    from vllm_eagle2 import patches
+
+    monkeypatch.setenv(patches.VEC_LAYOUT_ENV, "1")
+    assert isa_where_vllm_picks_amx() == "vec"
 
 
 # -- Ray workers -------------------------------------------------------------------------------

@@ -166,6 +166,29 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
     assert "nospec_sync" not in DEFAULT_MODES
 
 
+def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path: Path) -> None:
+    """``nospec_vec`` is no speculation in an engine whose env asks for eagle2's CPU KV layout."""
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2.patches import VEC_LAYOUT_ENV
+    from vllm_eagle2.testing import build_pair
+
+    target_dir, head = build_pair(tmp_path, "partial")
+    args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "nospec_vec,nospec"])
+    vec, default = plan_runs(args, resolve_target(args), bs=4)
+    assert vec.spec is None and vec.engine_kwargs == {"env": {VEC_LAYOUT_ENV: "1"}}
+    assert default.engine_kwargs == {}
+    assert "nospec_vec" not in DEFAULT_MODES
+
+
+def test_benchmark_names_the_cpu_model_and_the_flags_its_kernels_depend_on() -> None:
+    """Sittings can land on different machines; the results say which CPU, and which kernel ISAs it has."""
+    from vllm_eagle2.bench.report import cpu_description
+
+    cpuinfo = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu amx_bf16 avx2 sse avx512f\n"
+    assert cpu_description(cpuinfo) == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
+
+
 def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_path: Path) -> None:
     """``never`` is eagle2 with the adaptive budget priced so that every draft loses (its engine's env)."""
     from vllm_eagle2.adaptive import COSTS_ENV

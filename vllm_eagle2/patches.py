@@ -28,8 +28,8 @@ What is patched (vLLM 0.32, file:function):
   ``compile_or_warm_up_model``: with eagle2's adaptive budget, after the warm-up, the
   drafter times the target and one draft level (the budget's start-up calibration); and a
   method ``eagle2_budget_summary`` for ``LLM.collective_rpc``, the budget's counters.
-* ``v1/attention/backends/cpu_attn.py``: with eagle2 the bf16 "amx" KV layout is replaced
-  by the "vec" layout, which the tree attention reads.
+* ``v1/attention/backends/cpu_attn.py``: with eagle2 (or with ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1``)
+  the bf16 "amx" KV layout is replaced by the "vec" layout, which the tree attention reads.
 * ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
   ``v1/sample/rejection_sampler.py``), only with ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` (eagle2 verifies
   with its own sampler and never calls it): it wrote into an int64 copy of the output, so the
@@ -55,6 +55,9 @@ logger = logging.getLogger("vllm_eagle2")
 SUPPORTED_VLLM = ("0.32.",)
 #: Set to 1 to fix two bugs of vLLM's CPU build in engines that do not use eagle2 as well.
 FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
+#: Set to 1 to give engines without eagle2 eagle2's bf16 KV layout ("vec" for "amx") too, so
+#: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
+VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
 _state: dict[str, Any] = {"applied": False, "error": None}
 
 
@@ -410,7 +413,8 @@ def _patch_cpu_attention() -> None:
     def _get_attn_isa(*args, **kwargs) -> str:
         isa = get_isa(*args, **kwargs)
         # The tree attention reads the cache directly; it knows the "vec" layouts.
-        return "vec" if isa == "amx" and _state.get("cpu_isa_vec") else isa
+        vec = _state.get("cpu_isa_vec") or os.environ.get(VEC_LAYOUT_ENV, "0") == "1"
+        return "vec" if isa == "amx" and vec else isa
 
     cpu_attn._get_attn_isa = _get_attn_isa
 

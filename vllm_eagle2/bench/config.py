@@ -19,7 +19,7 @@ TREE_MODES = ("chain", "static", "dynamic", "no_value", "no_rerank")
 #: Rows with the EAGLE-3 head (``--eagle3-head``): vLLM's eagle3 chain, and eagle2's dynamic trees.
 EAGLE3_MODES = ("eagle3", "eagle3_trees")
 DEFAULT_MODES = ("nospec", "eagle", "defaults", "never", *TREE_MODES)
-ALL_MODES = ("nospec", "nospec_sync", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
+ALL_MODES = ("nospec", "nospec_sync", "nospec_vec", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
 #: ``never``: step costs (``vllm_eagle2.adaptive.COSTS_ENV``) under which no draft ever pays.
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
@@ -151,6 +151,11 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             # methods; eagle2 engines run synchronously, as this one does.
             label, sync = "no speculation, synchronous scheduling", {"async_scheduling": False}
             plan.append(Run("nospec_sync", label, bs, None, engine_kwargs=sync))
+        elif mode == "nospec_vec":
+            from vllm_eagle2.patches import VEC_LAYOUT_ENV  # torch: not at import, so --help stays fast
+
+            label, vec = "no speculation, eagle2's KV layout", {"env": {VEC_LAYOUT_ENV: "1"}}
+            plan.append(Run("nospec_vec", label, bs, None, engine_kwargs=vec))
         elif mode == "eagle":
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
