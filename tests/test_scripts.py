@@ -181,12 +181,14 @@ def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path:
     assert "nospec_vec" not in DEFAULT_MODES
 
 
-def test_benchmark_names_the_cpu_model_and_the_flags_its_kernels_depend_on() -> None:
+def test_measurements_name_the_cpu_model_and_the_flags_its_kernels_depend_on() -> None:
     """Sittings can land on different machines; the results say which CPU, and which kernel ISAs it has."""
-    from vllm_eagle2.bench.report import cpu_description
+    from vllm_eagle2.machine import cpu_description, cpu_note
 
     cpuinfo = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu amx_bf16 avx2 sse avx512f\n"
-    assert cpu_description(cpuinfo) == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
+    cpu = cpu_description(cpuinfo)
+    assert cpu == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
+    assert cpu_note(cpu) == " (Some Xeon; avx2, avx512f, amx_bf16)"
 
 
 def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from vllm_eagle2.bench.config import NEVER_COSTS
 from vllm_eagle2.datasets import load_prompts
 from vllm_eagle2.engine import build_llm, prepare_env, shutdown_llm, warm_up
+from vllm_eagle2.machine import cpu_description, cpu_note
 from vllm_eagle2.progress import stderr_log
 
 log = stderr_log("profile_step")
@@ -236,14 +237,16 @@ def profile(args: argparse.Namespace) -> str:
         # the adaptive budget on measured costs, as served: these sizes are its upper bounds
         spec["budget"], label = "adaptive", f"{label} adaptive"
     rows = [run("no speculation", None, args, prompts, timers), run(label, spec, args, prompts, timers, env)]
+    cpu = cpu_description()
     text = (
         f"Step-time breakdown: {args.model.name} + {args.head.name}, {args.dataset}, {len(prompts)} prompts, "
-        f"max {args.max_tokens} tokens, batch {args.batch_size}, {args.dtype}, temperature 0; "
-        f"ms per engine step (share of generate's wall time).\n\n{markdown(rows)}\n"
+        f"max {args.max_tokens} tokens, batch {args.batch_size}, {args.dtype}, temperature 0, "
+        f"{os.cpu_count()} CPUs{cpu_note(cpu)}; ms per engine step (share of generate's wall time)."
+        f"\n\n{markdown(rows)}\n"
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows}, indent=1)
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu, "runs": rows}, indent=1)
     )
     args.output.with_suffix(".md").write_text(text)
     return text

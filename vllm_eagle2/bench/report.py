@@ -14,36 +14,12 @@ from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import Target
 from vllm_eagle2.bench.plot import plot
 from vllm_eagle2.bench.records import Run, result_rows, speedup_text
+from vllm_eagle2.machine import cpu_description, cpu_note
 
 
 def load_average() -> list[float]:
     """1, 5 and 15 minute load averages (other work on the machine skews the speeds)."""
     return [round(x, 2) for x in os.getloadavg()]
-
-
-#: CPU flags that decide vLLM's CPU kernels (its bf16 GEMMs and attention layout), in report order.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
-    """The CPU's model name and which of :data:`CPU_FLAGS` it has (Linux ``/proc/cpuinfo``).
-
-    Sittings can land on different machines: a run's speed-ups only compare within one
-    machine, and this says which. ``cpuinfo``: the file's text (default: read it).
-    """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model, flags = platform.processor() or platform.machine(), set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and value.strip():
-            model = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
 def _rounds_note(rounds: int) -> str:
@@ -54,13 +30,6 @@ def _rounds_note(rounds: int) -> str:
         f" Every engine ran in {rounds} rounds (alternating order); speed-ups are the median of the rounds'"
         " own, each against its round's no speculation, with their range; tokens/s is the median round's."
     )
-
-
-def _cpu_note(cpu: dict[str, Any] | None) -> str:
-    """`` (MODEL; flags ...)`` for the report's set-up line; empty for results without it."""
-    if not cpu:
-        return ""
-    return f" ({cpu['model']}; {', '.join(cpu['flags']) or 'none of ' + ', '.join(CPU_FLAGS)})"
 
 
 def markdown_table(rows: list[dict[str, Any]], greedy: bool) -> str:
@@ -168,7 +137,7 @@ def markdown_report(results: dict[str, Any], sweep: bool) -> list[str]:
         f"{setup['temperature']}, {setup['dtype']}, eagle2 m={eagle2['num_speculative_tokens']} "
         f"depth={eagle2['depth']} topk={eagle2['topk']}; vLLM eagle: best of k={setup['eagle_k']} "
         f"by tokens/s. Load average at start / end: {setup['load_average_start'][0]} / "
-        f"{setup['load_average_end'][0]} on {setup['cpu_count']} CPUs{_cpu_note(setup.get('cpu'))}."
+        f"{setup['load_average_end'][0]} on {setup['cpu_count']} CPUs{cpu_note(setup.get('cpu'))}."
         + _rounds_note(setup.get("rounds", 1)),
         "",
         markdown_table(results["main_rows"], greedy),
