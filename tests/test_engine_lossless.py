@@ -216,8 +216,7 @@ def test_exact_head_accepts_the_whole_depth(models, prompts, knobs):
 
 
 def test_published_head_format_loads_and_is_exact(models, prompts):
-    knobs = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
-    _assert_full_depth(models, prompts, eagle2(models["published_head"], **knobs), knobs["depth"])
+    _assert_full_depth(models, prompts, eagle2(models["published_head"], **CHAIN4), CHAIN4["depth"])
 
 
 def ranked_copy(head: Path, outputs: list[list[int]], dest: Path) -> tuple[Path, int]:
@@ -247,7 +246,30 @@ def test_exact_head_with_a_draft_vocabulary_of_its_outputs_accepts_the_whole_dep
     _assert_full_depth(models, prompts, eagle2(head, **knobs), knobs["depth"])
 
 
-def _assert_full_depth(models, prompts, spec, depth):
+def _assert_full_depth(models, prompts, spec, depth, **engine):
     # 1 token from the prefill, then steps of depth + 1 = 5 tokens each.
-    _, metrics = run_llm(models["oracle"], spec, prompts, greedy(1 + 8 * 5))
+    _, metrics = run_llm(models["oracle"], spec, prompts, greedy(1 + 8 * 5), **engine)
     assert acceptance_length(metrics) == pytest.approx(depth + 1, abs=0.05)
+
+
+CHAIN4 = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
+
+
+def test_drafts_reach_the_scheduler_with_the_steps_output_not_in_a_worker_call_of_their_own(
+    models, prompts, monkeypatch
+):
+    """vLLM's synchronous scheduling asks the worker for the drafts in a third call per step; eagle2's
+    come with the sampled tokens, and every one of them is still verified."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    calls = []
+    take = Worker.take_draft_token_ids
+    monkeypatch.setattr(Worker, "take_draft_token_ids", lambda self: calls.append(1) or take(self))
+    _assert_full_depth(models, prompts, eagle2(models["oracle_head"], **CHAIN4), CHAIN4["depth"])
+    assert calls == []
+
+
+def test_drafts_cross_to_an_engine_core_in_its_own_process(models, prompts):
+    """The drafts ride on the step's output through vLLM's worker-to-engine queue (pickled)."""
+    spec = eagle2(models["oracle_head"], **CHAIN4)
+    _assert_full_depth(models, prompts, spec, CHAIN4["depth"], fresh_process=True)

@@ -24,6 +24,12 @@ What is patched (vLLM 0.32, file:function):
   request whose prefill chunk is discarded keeps its CPU generator untouched (vLLM rewinds it
   with ``set_offset``, which only CUDA generators have: a seeded request with a chunked prefill
   crashed vLLM's CPU build). It can go once vLLM's CPU build restores CPU generators itself.
+* ``v1/engine/core.py`` EngineCore.post_step and ``v1/core/sched/scheduler.py``
+  Scheduler.update_from_output, with the runner's ``sample_tokens``: in an eagle2 engine that
+  schedules synchronously (vLLM 0.32 runs every non-vLLM speculative method so), the drafts come
+  back with the step's sampled tokens instead of in a third call to the worker per step
+  (``take_draft_token_ids``); the scheduler takes them at the end of ``update_from_output``,
+  where vLLM's ``post_step`` would have, before the next step is scheduled.
 * ``v1/worker/gpu_worker.py`` Worker and ``v1/worker/cpu_worker.py`` CPUWorker
   ``compile_or_warm_up_model``: with eagle2's adaptive budget, after the warm-up, the
   drafter times the target and one draft level (the budget's start-up calibration); and a
@@ -40,6 +46,7 @@ What is patched (vLLM 0.32, file:function):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -59,6 +66,8 @@ FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
 #: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
 VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
 _state: dict[str, Any] = {"applied": False, "error": None}
+#: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
+DRAFTS_ATTR = "eagle2_draft_token_ids"
 
 
 def unsupported_reason(version: str) -> str | None:
@@ -91,6 +100,7 @@ def apply() -> bool:
     _patch_config()
     _patch_runner()
     _patch_workers()
+    _patch_engine_core()
     _patch_cpu_attention()
     _patch_cpu_sampling_expansion()
     _state["applied"] = True
@@ -255,6 +265,7 @@ def _patch_config() -> None:
 
 
 def _patch_runner() -> None:
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_eagle2 import attention
@@ -341,9 +352,13 @@ def _patch_runner() -> None:
         rows = [getattr(state, "hidden_states", None), *(getattr(state, "aux_hidden_states", None) or [])]
         self._eagle2_hidden_states = [h for h in rows if h is not None] if _is_eagle2(self) else None
         try:
-            return sample_tokens(self, *args, **kwargs)
+            out = sample_tokens(self, *args, **kwargs)
         finally:
             self._eagle2_hidden_states = None
+        if _is_eagle2(self) and not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
+            out = copy.copy(out)  # never tag a shared instance (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
+            setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
+        return out
 
     GPUModelRunner.__init__ = __init__
     GPUModelRunner._update_states = _update_states
@@ -372,6 +387,31 @@ def _patch_workers() -> None:
 
         cls.compile_or_warm_up_model = compile_or_warm_up_model
         cls.eagle2_budget_summary = _budget_summary
+
+
+def _patch_engine_core() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    update_from_output = Scheduler.update_from_output
+
+    def _update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        out = update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
+        drafts = getattr(model_runner_output, DRAFTS_ATTR, None)
+        if drafts is not None:  # what post_step would have fetched from the worker next
+            self.update_draft_token_ids(drafts)
+        return out
+
+    post_step = EngineCore.post_step
+
+    def _post_step(self, model_executed: bool) -> None:
+        spec = self.vllm_config.speculative_config
+        if spec is not None and spec.method == "eagle2" and not self.async_scheduling:
+            return  # the drafts came with the step's output (update_from_output took them)
+        post_step(self, model_executed)
+
+    Scheduler.update_from_output = _update_from_output
+    EngineCore.post_step = _post_step
 
 
 def _budget_summary(worker: Any) -> dict[str, Any] | None:
