@@ -75,6 +75,10 @@ def reference(models, prompts) -> dict[str, list[list[int]]]:
     return {"partial": tokens_of(run_llm(models["partial"], None, prompts, greedy())[0])}
 
 
+#: An exact head's 4-deep chain: every step accepts all 4 drafts.
+CHAIN4 = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
+
+
 def eagle2(head: Path, **knobs) -> dict:
     """The fixed tree unless ``budget`` is given: these tests pin the trees they check."""
     return {"method": "eagle2", "model": str(head), "budget": "fixed", **knobs}
@@ -250,9 +254,6 @@ def _assert_full_depth(models, prompts, spec, depth, **engine):
     # 1 token from the prefill, then steps of depth + 1 = 5 tokens each.
     _, metrics = run_llm(models["oracle"], spec, prompts, greedy(1 + 8 * 5), **engine)
     assert acceptance_length(metrics) == pytest.approx(depth + 1, abs=0.05)
-
-
-CHAIN4 = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
 
 
 def test_drafts_reach_the_scheduler_with_the_steps_output_not_in_a_worker_call_of_their_own(

@@ -65,9 +65,9 @@ FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
 #: Set to 1 to give engines without eagle2 eagle2's bf16 KV layout ("vec" for "amx") too, so
 #: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
 VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
-_state: dict[str, Any] = {"applied": False, "error": None}
 #: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
 DRAFTS_ATTR = "eagle2_draft_token_ids"
+_state: dict[str, Any] = {"applied": False, "error": None}
 
 
 def unsupported_reason(version: str) -> str | None:
