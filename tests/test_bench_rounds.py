@@ -1,4 +1,5 @@
-"""The benchmark's ``--rounds``: engines started in alternating order, speed-ups paired within a round.
+"""The benchmark's ``--rounds``: engines run in alternating order, speed-ups paired within a round; with
+``--interleave`` the engines of a batch size stay up together and take turns.
 
 Pure bookkeeping on hand-made runs (no engine starts): what the tables and plots report.
 """
@@ -79,7 +80,7 @@ def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPat
     plan = lambda args, target, bs: [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]  # noqa: E731
     monkeypatch.setattr(engines, "run_engine", fake_run_engine)
     monkeypatch.setattr(engines, "plan_runs", plan)
-    runs = engines.run_all(argparse.Namespace(rounds=3), None, [], [1])
+    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=False), None, [], [1])
     assert order == [
         (0, "nospec"),
         (0, "eagle"),
@@ -92,6 +93,69 @@ def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPat
         (2, "defaults"),
     ]
     assert len({id(r) for r in runs}) == 9  # a fresh run per round: no shared token lists
+
+
+@pytest.fixture
+def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
+    """``--interleave --rounds 3`` over three fake engines, the second of which fails to start:
+    (events in order, the runs returned)."""
+    events: list[tuple] = []
+
+    def start_engine(run: Run, target, prompts, args) -> str:
+        events.append(("start", run.mode))
+        if run.mode == "eagle":
+            raise RuntimeError("no memory left")
+        return f"llm-{run.mode}"
+
+    def time_generation(llm: str, run: Run, prompts, args) -> Run:
+        events.append(("pass", run.round, run.mode, llm))
+        run.tokens.append([run.round])
+        return run
+
+    plan = lambda args, target, bs: [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]  # noqa: E731
+    monkeypatch.setattr(engines, "plan_runs", plan)
+    monkeypatch.setattr(engines, "start_engine", start_engine)
+    monkeypatch.setattr(engines, "time_generation", time_generation)
+    monkeypatch.setattr(engines, "stop_engine", lambda llm: events.append(("stop", llm)))
+    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=True), None, [], [1])
+    return events, runs
+
+
+def test_interleave_starts_each_engine_once_and_alternates_their_passes(interleaved) -> None:
+    events, _ = interleaved
+    assert events == [
+        ("start", "nospec"),
+        ("start", "eagle"),
+        ("start", "defaults"),
+        ("pass", 0, "nospec", "llm-nospec"),
+        ("pass", 0, "defaults", "llm-defaults"),
+        ("pass", 1, "defaults", "llm-defaults"),
+        ("pass", 1, "nospec", "llm-nospec"),
+        ("pass", 2, "nospec", "llm-nospec"),
+        ("pass", 2, "defaults", "llm-defaults"),
+        ("stop", "llm-nospec"),
+        ("stop", "llm-defaults"),
+    ]
+
+
+def test_interleave_gives_every_pass_a_fresh_run_and_fails_an_unstarted_engine_in_every_round(
+    interleaved,
+) -> None:
+    _, runs = interleaved
+    assert [(r.round, r.mode) for r in runs] == [
+        (0, "nospec"),
+        (0, "eagle"),
+        (0, "defaults"),
+        (1, "defaults"),
+        (1, "eagle"),
+        (1, "nospec"),
+        (2, "nospec"),
+        (2, "eagle"),
+        (2, "defaults"),
+    ]
+    assert all(r.tokens == [[r.round]] for r in runs if r.mode != "eagle")  # no token list shared
+    assert {r.error for r in runs if r.mode == "eagle"} == {"RuntimeError: no memory left"}
+    assert all(r.error is None for r in runs if r.mode != "eagle")
 
 
 def test_budget_counters_add_up_over_rounds() -> None:

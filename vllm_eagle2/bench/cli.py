@@ -36,6 +36,10 @@ A shared machine's speed drifts by a fifth within minutes, more than most differ
 ``--rounds N`` starts every engine of a batch size N times, in alternating order (first to last, then
 last to first); each round's speed-ups are taken against that round's own no-speculation run, and the
 table shows their median with the range over rounds ("1.02x (0.97-1.05)").
+``--interleave`` starts the engines of a batch size once and keeps them all up: each round is then one
+timed pass of every engine over the prompts, back to back, so that rounds are seconds apart instead of
+engine starts apart (an engine took 35-41 s to start on a 2-core machine here). It needs the memory of
+every engine of the batch size at once: pick the ``--modes`` to compare.
 
 Outputs: ``--output FILE.json`` (everything), ``FILE.md`` (the Markdown tables, also printed),
 ``FILE.modes.png`` (tau and tokens/s by mode) and, with several ``--batch-sizes``, ``FILE.batch.png``
@@ -149,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="start every engine of a batch size this many times, in alternating order; each round's "
         "speed-ups are taken against its own no-speculation run, the table shows their median and range",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start the engines of a batch size once and keep them up together; each of the --rounds is "
+        "then one timed pass of every engine, seconds apart (needs the memory of all of them at once)",
     )
     p.add_argument("--output", type=Path, default=Path("benchmark.json"), help="JSON file (.md/.png beside)")
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")

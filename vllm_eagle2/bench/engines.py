@@ -1,16 +1,21 @@
-"""The benchmark's runs: one engine after another in one process, each shut down before the next."""
+"""The benchmark's runs, in one process: one engine after another, each shut down before the next, or
+(``--interleave``) the engines of a batch size up together, taking turns."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import time
+from dataclasses import replace
 from typing import Any
 
 from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import Target, plan_runs
 from vllm_eagle2.bench.records import Run, mean_drafts_per_step
 from vllm_eagle2.engine import build_llm, shutdown_llm, spec_counters, warm_up
+
+#: Token-id prompts, as ``llm.generate`` takes them.
+Prompts = list[dict[str, list[int]]]
 
 
 def read_budget(llm: Any, run: Run) -> dict[str, Any] | None:
@@ -39,16 +44,8 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     }
 
 
-def run_engine(
-    run: Run, target: Target, prompts: list[dict[str, list[int]]], args: argparse.Namespace
-) -> Run:
-    """Start an engine, warm it up, time ``generate``, read the counters' deltas, shut the engine down.
-
-    ``args``: the benchmark's options (``max_model_len``, ``seed``, ``temperature``, ``max_tokens``,
-    ``repeats``; ``tiny``: ignore EOS, the tiny target's is arbitrary).
-    """
-    from vllm import SamplingParams
-
+def start_engine(run: Run, target: Target, prompts: Prompts, args: argparse.Namespace) -> Any:
+    """Start ``run``'s engine and warm it up (a short generation, not timed); returns vLLM's ``LLM``."""
     log(f"{run.label} (batch {run.batch_size}): starting the engine")
     t0 = time.perf_counter()
     llm = build_llm(
@@ -63,25 +60,42 @@ def run_engine(
     try:
         run.engine_start_seconds = round(time.perf_counter() - t0, 1)
         warm_up(llm, prompts)
-        d0, a0, p0 = spec_counters(llm)
-        params = SamplingParams(
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            ignore_eos=args.tiny,
-            seed=args.seed if args.temperature > 0 else None,
-        )
-        b0 = read_budget(llm, run)
-        for _ in range(max(1, args.repeats)):
-            t1 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            run.seconds_all.append(round(time.perf_counter() - t1, 4))
-        run.seconds = min(run.seconds_all)
-        d1, a1, p1 = spec_counters(llm)
-        run.budget = budget_delta(b0, read_budget(llm, run))
-    finally:
-        shutdown_llm(llm)
-        del llm
-        gc.collect()
+    except BaseException:
+        stop_engine(llm)
+        raise
+    return llm
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut the engine down and collect what it held."""
+    shutdown_llm(llm)
+    gc.collect()
+
+
+def time_generation(llm: Any, run: Run, prompts: Prompts, args: argparse.Namespace) -> Run:
+    """Time ``generate`` over ``prompts`` on a warm engine (``args.repeats`` passes, the fastest counts) and
+    record the outputs and the counters' deltas in ``run``.
+
+    ``args``: the benchmark's options (``seed``, ``temperature``, ``max_tokens``, ``repeats``; ``tiny``:
+    ignore EOS, the tiny target's is arbitrary).
+    """
+    from vllm import SamplingParams
+
+    d0, a0, p0 = spec_counters(llm)
+    params = SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.tiny,
+        seed=args.seed if args.temperature > 0 else None,
+    )
+    b0 = read_budget(llm, run)
+    for _ in range(max(1, args.repeats)):
+        t1 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        run.seconds_all.append(round(time.perf_counter() - t1, 4))
+    run.seconds = min(run.seconds_all)
+    d1, a1, p1 = spec_counters(llm)
+    run.budget = budget_delta(b0, read_budget(llm, run))
     run.tokens = [list(o.outputs[0].token_ids) for o in outputs]
     run.drafts, run.accepted = d1 - d0, a1 - a0
     p0 = p0 + [0.0] * (len(p1) - len(p0))
@@ -94,17 +108,68 @@ def run_engine(
     return run
 
 
-def run_all(
-    args: argparse.Namespace, target: Target, prompts: list[dict[str, list[int]]], batch_sizes: list[int]
-) -> list[Run]:
+def run_engine(run: Run, target: Target, prompts: Prompts, args: argparse.Namespace) -> Run:
+    """Start an engine, warm it up, time ``generate`` (:func:`time_generation`), shut the engine down."""
+    llm = start_engine(run, target, prompts, args)
+    try:
+        return time_generation(llm, run, prompts, args)
+    finally:
+        stop_engine(llm)
+
+
+def _failed(run: Run, exc: Exception) -> Run:
+    run.error = f"{type(exc).__name__}: {exc}"
+    log(f"{run.label}: FAILED {run.error}")
+    gc.collect()
+    return run
+
+
+def _interleaved(args: argparse.Namespace, target: Target, prompts: Prompts, bs: int) -> list[Run]:
+    """``--interleave``: the batch size's engines are up together; round r is one timed pass of each.
+
+    Rounds are then seconds apart instead of engine starts apart, so a machine whose speed drifts
+    over minutes drifts less within a round. An engine that fails to start fails every round.
+    """
+    plan = plan_runs(args, target, bs)
+    llms: dict[int, Any] = {}
+    runs: list[Run] = []
+    try:
+        for i, run in enumerate(plan):
+            try:
+                llms[i] = start_engine(run, target, prompts, args)
+            except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
+                _failed(run, exc)
+        for round_ in range(max(1, args.rounds)):
+            order = list(range(len(plan)))
+            for i in order if round_ % 2 == 0 else order[::-1]:
+                run = replace(plan[i], round=round_, tokens=[], seconds_all=[], accepted_per_pos=[])
+                if i not in llms:
+                    runs.append(replace(run, error=plan[i].error))
+                    continue
+                try:
+                    runs.append(time_generation(llms[i], run, prompts, args))
+                except Exception as exc:  # noqa: BLE001
+                    runs.append(_failed(run, exc))
+    finally:
+        for llm in llms.values():
+            stop_engine(llm)
+    return runs
+
+
+def run_all(args: argparse.Namespace, target: Target, prompts: Prompts, batch_sizes: list[int]) -> list[Run]:
     """Every planned run at every batch size, ``args.rounds`` times; a run that fails keeps its error and
     the others go on.
 
     Rounds alternate the order of the engines (first to last, then last to first), so that a machine
-    slowing down or speeding up over a round weighs on each engine alike across two rounds.
+    slowing down or speeding up over a round weighs on each engine alike across two rounds. Each round
+    starts every engine anew, or with ``args.interleave`` reuses engines started once per batch size
+    (:func:`_interleaved`).
     """
     runs: list[Run] = []
     for bs in batch_sizes:
+        if args.interleave:
+            runs.extend(_interleaved(args, target, prompts, bs))
+            continue
         for round_ in range(max(1, args.rounds)):
             plan = plan_runs(args, target, bs)
             for run in plan if round_ % 2 == 0 else plan[::-1]:
@@ -112,8 +177,5 @@ def run_all(
                 try:
                     runs.append(run_engine(run, target, prompts, args))
                 except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
-                    run.error = f"{type(exc).__name__}: {exc}"
-                    log(f"{run.label}: FAILED {run.error}")
-                    runs.append(run)
-                    gc.collect()
+                    runs.append(_failed(run, exc))
     return runs

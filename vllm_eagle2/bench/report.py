@@ -22,12 +22,17 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _rounds_note(rounds: int) -> str:
-    """The report's sentence on ``--rounds`` (empty for one round)."""
+def _rounds_note(rounds: int, interleave: bool = False) -> str:
+    """The report's sentence on ``--rounds`` and ``--interleave`` (empty for one round)."""
     if rounds <= 1:
         return ""
+    how = (
+        "passes of engines kept up together (interleaved, alternating order)"
+        if interleave
+        else "rounds (alternating order)"
+    )
     return (
-        f" Every engine ran in {rounds} rounds (alternating order); speed-ups are the median of the rounds'"
+        f" Every engine ran in {rounds} {how}; speed-ups are the median of the rounds'"
         " own, each against its round's no speculation, with their range; tokens/s is the median round's."
     )
 
@@ -108,6 +113,7 @@ def build_results(
             "seed": args.seed,
             "repeats": args.repeats,
             "rounds": args.rounds,
+            "interleave": args.interleave,
             "host": platform.node(),
             "cpu_count": os.cpu_count(),
             "cpu": cpu_description(),
@@ -138,7 +144,7 @@ def markdown_report(results: dict[str, Any], sweep: bool) -> list[str]:
         f"depth={eagle2['depth']} topk={eagle2['topk']}; vLLM eagle: best of k={setup['eagle_k']} "
         f"by tokens/s. Load average at start / end: {setup['load_average_start'][0]} / "
         f"{setup['load_average_end'][0]} on {setup['cpu_count']} CPUs{cpu_note(setup.get('cpu'))}."
-        + _rounds_note(setup.get("rounds", 1)),
+        + _rounds_note(setup.get("rounds", 1), setup.get("interleave", False)),
         "",
         markdown_table(results["main_rows"], greedy),
     ]
