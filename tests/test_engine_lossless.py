@@ -153,16 +153,48 @@ def test_greedy_with_the_adaptive_budget_equals_no_speculation(
     assert len([n for n in budget["drafts_per_request"] if n != "0"]) >= 2, budget  # and per request
 
 
-def test_adaptive_budget_drafts_nothing_when_verification_costs_too_much(
-    models, prompts, reference, monkeypatch
-):
-    monkeypatch.setenv(COSTS_ENV, '{"target": [0.0, 1.0], "level": [0.001, 0.0], "overhead": 0.0}')
+@pytest.fixture(scope="module")
+def never_drafting(models, prompts) -> tuple[list[list[int]], dict, Counter]:
+    """The adaptive budget under costs where verification is too dear to draft: (tokens, metrics,
+    calls of vLLM's rejection sampler and of its preparation of the drafter's inputs)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from vllm_eagle2.engine import scoped_env
+
+    calls = Counter()
+    stocks = {
+        (cls, name): getattr(cls, name)
+        for cls, name in [
+            (RejectionSampler, "forward"),
+            (SpecDecodeBaseProposer, "prepare_next_token_ids_padded"),
+        ]
+    }
+    for (cls, name), stock in stocks.items():
+        setattr(cls, name, lambda *a, _stock=stock, _name=name, **k: calls.update([_name]) or _stock(*a, **k))
+    costs = '{"target": [0.0, 1.0], "level": [0.001, 0.0], "overhead": 0.0}'
     spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
-    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+    try:
+        with scoped_env({COSTS_ENV: costs}):
+            outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    finally:
+        for (cls, name), stock in stocks.items():
+            setattr(cls, name, stock)
+    return tokens_of(outputs), metrics, calls
+
+
+def test_adaptive_budget_drafts_nothing_when_verification_costs_too_much(never_drafting, reference):
+    tokens, metrics, _ = never_drafting
+    assert tokens == reference["partial"]
     budget = metrics["eagle2_budget"]
     assert budget["steps"] > 0 and budget["steps_without_drafts"] == budget["steps"]
     assert metrics["vllm:spec_decode_num_drafts"] == 0
+
+
+def test_a_step_without_drafts_runs_as_plain_decoding(never_drafting):
+    """vLLM 0.32 sends every step of a speculative engine through its rejection sampler and prepares
+    the drafter's inputs, drafts or not; a step eagle2 keeps without drafts does neither."""
+    assert never_drafting[2] == Counter()
 
 
 def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, prompts, reference):

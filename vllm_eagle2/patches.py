@@ -310,12 +310,33 @@ def _patch_runner() -> None:
     prepare_inputs = GPUModelRunner._prepare_inputs
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        if _is_eagle2(self) and self.drafter.budget is not None:
+        if not _is_eagle2(self):
+            return prepare_inputs(self, scheduler_output, *args, **kwargs)
+        if self.drafter.budget is not None:
             self.drafter.budget.step_started(scheduler_output.total_num_scheduled_tokens)
-        out = prepare_inputs(self, scheduler_output, *args, **kwargs)
-        if _is_eagle2(self):
-            tree_runner.prepare_tree_verification(self, out[1])
+        if scheduler_output.scheduled_spec_decode_tokens:
+            out = prepare_inputs(self, scheduler_output, *args, **kwargs)
+        else:
+            # No request has drafts to verify: plain decoding's inputs, so that the step samples
+            # with vLLM's plain sampler. vLLM 0.32 sends every step of a speculative engine
+            # through its spec-decode metadata and rejection sampler, zero drafts or not; its
+            # _prepare_inputs tells the two apart by speculative_config alone.
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = prepare_inputs(self, scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = spec
+        tree_runner.prepare_tree_verification(self, out[1])
         return out
+
+    propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
+
+    def _propose_draft_token_ids(self, *args, **kwargs):
+        # A step the adaptive budget keeps without drafts skips vLLM's preparation of the
+        # drafter's inputs too, not only the drafter.
+        if _is_eagle2(self) and not self.drafter.begin_step(self.input_batch.num_reqs):
+            return [[] for _ in range(self.input_batch.num_reqs)]
+        return propose_draft_token_ids(self, *args, **kwargs)
 
     sample = GPUModelRunner._sample
 
@@ -364,6 +385,7 @@ def _patch_runner() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner.execute_model = _execute_model
     GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner.propose_draft_token_ids = _propose_draft_token_ids
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.sample_tokens = _sample_tokens

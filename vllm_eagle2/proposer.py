@@ -118,6 +118,7 @@ class Eagle2Proposer(EagleProposer):
         self._full_plan = DraftPlan(
             depth=s.depth, topk=s.topk, num_tokens=s.num_tokens, per_request=s.nodes_per_step, rate=0.0
         )
+        self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
 
     # -- model ---------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -227,6 +228,30 @@ class Eagle2Proposer(EagleProposer):
         for rid in req_ids:
             self._eligible.pop(rid, None)
 
+    def begin_step(self, batch: int) -> bool:
+        """Decide whether this step drafts for its ``batch`` requests; False = no drafts at all.
+
+        Called before vLLM prepares the drafter's inputs, so that a step the adaptive budget keeps
+        without drafts skips that preparation as well as the head: it then costs what a step
+        without speculation costs. Its bookkeeping (the target pass's time, the step's metrics) is
+        done here. The head's KV misses the step's tokens: should the batch shrink and drafting
+        resume, those requests draft from a context with gaps (still lossless), and the
+        acceptance statistics price that in.
+        """
+        budget = self.budget
+        if budget is None:
+            self._step_plan = self._full_plan
+            return True
+        budget.target_done()
+        plan = budget.plan(batch)
+        if not plan.drafts:
+            self._step_plan = None
+            self.trees = None
+            budget.count_step(plan, [0] * batch)
+            return False
+        self._step_plan = plan
+        return True
+
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
         num_speculative_tokens: int,
@@ -249,15 +274,11 @@ class Eagle2Proposer(EagleProposer):
         budget = self.budget
         cad = common_attn_metadata
         batch = cad.batch_size()
-        plan = self._full_plan
+        if self._step_plan is None and not self.begin_step(batch):  # vLLM's runner calls begin_step first
+            return [[] for _ in range(batch)]
+        plan, self._step_plan = self._step_plan, None
         if budget is not None:
-            budget.target_done()
-            plan = budget.plan(batch)
-            if not plan.drafts or num_speculative_tokens == 0:
-                # Not even the catch-up pass: a step without drafts costs what a step without
-                # speculation costs. The head's KV misses these tokens; should the batch shrink
-                # and drafting resume, those requests draft from a context with gaps (still
-                # lossless), and the acceptance statistics price that in.
+            if num_speculative_tokens == 0:
                 self.trees = None
                 budget.count_step(plan, [0] * batch)
                 return [[] for _ in range(batch)]
