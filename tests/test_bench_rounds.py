@@ -70,6 +70,24 @@ def test_table_shows_the_median_and_range_of_the_speedups(rows: list[dict]) -> N
     assert "1.25x (0.83-1.25)" in markdown_table(rows, greedy=True)
 
 
+def _three_modes(args, target, bs: int) -> list[Run]:
+    return [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]
+
+
+#: (round, mode) of three engines over three rounds: first to last, then last to first.
+ALTERNATING = [
+    (0, "nospec"),
+    (0, "eagle"),
+    (0, "defaults"),
+    (1, "defaults"),
+    (1, "eagle"),
+    (1, "nospec"),
+    (2, "nospec"),
+    (2, "eagle"),
+    (2, "defaults"),
+]
+
+
 def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[tuple[int, str]] = []
 
@@ -77,21 +95,10 @@ def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPat
         order.append((run.round, run.mode))
         return run
 
-    plan = lambda args, target, bs: [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]  # noqa: E731
     monkeypatch.setattr(engines, "run_engine", fake_run_engine)
-    monkeypatch.setattr(engines, "plan_runs", plan)
+    monkeypatch.setattr(engines, "plan_runs", _three_modes)
     runs = engines.run_all(argparse.Namespace(rounds=3, interleave=False), None, [], [1])
-    assert order == [
-        (0, "nospec"),
-        (0, "eagle"),
-        (0, "defaults"),
-        (1, "defaults"),
-        (1, "eagle"),
-        (1, "nospec"),
-        (2, "nospec"),
-        (2, "eagle"),
-        (2, "defaults"),
-    ]
+    assert order == ALTERNATING
     assert len({id(r) for r in runs}) == 9  # a fresh run per round: no shared token lists
 
 
@@ -112,8 +119,7 @@ def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
         run.tokens.append([run.round])
         return run
 
-    plan = lambda args, target, bs: [Run(m, m, bs, None) for m in ("nospec", "eagle", "defaults")]  # noqa: E731
-    monkeypatch.setattr(engines, "plan_runs", plan)
+    monkeypatch.setattr(engines, "plan_runs", _three_modes)
     monkeypatch.setattr(engines, "start_engine", start_engine)
     monkeypatch.setattr(engines, "time_generation", time_generation)
     monkeypatch.setattr(engines, "stop_engine", lambda llm: events.append(("stop", llm)))
@@ -142,17 +148,7 @@ def test_interleave_gives_every_pass_a_fresh_run_and_fails_an_unstarted_engine_i
     interleaved,
 ) -> None:
     _, runs = interleaved
-    assert [(r.round, r.mode) for r in runs] == [
-        (0, "nospec"),
-        (0, "eagle"),
-        (0, "defaults"),
-        (1, "defaults"),
-        (1, "eagle"),
-        (1, "nospec"),
-        (2, "nospec"),
-        (2, "eagle"),
-        (2, "defaults"),
-    ]
+    assert [(r.round, r.mode) for r in runs] == ALTERNATING
     assert all(r.tokens == [[r.round]] for r in runs if r.mode != "eagle")  # no token list shared
     assert {r.error for r in runs if r.mode == "eagle"} == {"RuntimeError: no memory left"}
     assert all(r.error is None for r in runs if r.mode != "eagle")
