@@ -160,26 +160,19 @@ def never_drafting(models, prompts) -> tuple[list[list[int]], dict, Counter]:
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from vllm_eagle2.engine import scoped_env
-
     calls = Counter()
-    stocks = {
-        (cls, name): getattr(cls, name)
+    spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
+    with pytest.MonkeyPatch.context() as mp:
         for cls, name in [
             (RejectionSampler, "forward"),
             (SpecDecodeBaseProposer, "prepare_next_token_ids_padded"),
-        ]
-    }
-    for (cls, name), stock in stocks.items():
-        setattr(cls, name, lambda *a, _stock=stock, _name=name, **k: calls.update([_name]) or _stock(*a, **k))
-    costs = '{"target": [0.0, 1.0], "level": [0.001, 0.0], "overhead": 0.0}'
-    spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
-    try:
-        with scoped_env({COSTS_ENV: costs}):
-            outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    finally:
-        for (cls, name), stock in stocks.items():
-            setattr(cls, name, stock)
+        ]:
+            stock = getattr(cls, name)
+            mp.setattr(
+                cls, name, lambda *a, _stock=stock, _name=name, **k: calls.update([_name]) or _stock(*a, **k)
+            )
+        mp.setenv(COSTS_ENV, '{"target": [0.0, 1.0], "level": [0.001, 0.0], "overhead": 0.0}')
+        outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
     return tokens_of(outputs), metrics, calls
 
 

@@ -19,7 +19,11 @@ What is patched (vLLM 0.32, file:function):
   also outputs its auxiliary hidden states, as for vLLM's "eagle3"); ``execute_model`` runs inside
   one ``attention.tree_batch()`` scope, so the verification's tree masks (published after
   ``_prepare_inputs``) live exactly as long as the target forward; tree verification instead
-  of the rejection sampler; the adaptive budget's step timer starts in ``_prepare_inputs``.
+  of the rejection sampler; the adaptive budget's step timer starts in ``_prepare_inputs``. A
+  step in which no request has drafts to verify prepares its inputs as plain decoding (vLLM's
+  plain sampler; vLLM 0.32 otherwise runs its spec-decode metadata and rejection sampler in
+  every step), and ``propose_draft_token_ids`` returns before vLLM prepares the drafter's
+  inputs when the budget keeps the step without drafts (``Eagle2Proposer.begin_step``).
   Also, for eagle2 engines (and for every engine with ``VLLM_EAGLE2_FIX_VLLM_CPU=1``): a seeded
   request whose prefill chunk is discarded keeps its CPU generator untouched (vLLM rewinds it
   with ``set_offset``, which only CUDA generators have: a seeded request with a chunked prefill

@@ -274,9 +274,9 @@ class Eagle2Proposer(EagleProposer):
         budget = self.budget
         cad = common_attn_metadata
         batch = cad.batch_size()
-        if self._step_plan is None and not self.begin_step(batch):  # vLLM's runner calls begin_step first
-            return [[] for _ in range(batch)]
         plan, self._step_plan = self._step_plan, None
+        if plan is None:
+            raise RuntimeError("eagle2: propose without begin_step (the runner's propose_draft_token_ids)")
         if budget is not None:
             if num_speculative_tokens == 0:
                 self.trees = None

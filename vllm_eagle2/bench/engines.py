@@ -139,12 +139,13 @@ def _interleaved(args: argparse.Namespace, target: Target, prompts: Prompts, bs:
                 llms[i] = start_engine(run, target, prompts, args)
             except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
                 _failed(run, exc)
+        order = list(range(len(plan)))
         for round_ in range(max(1, args.rounds)):
-            order = list(range(len(plan)))
             for i in order if round_ % 2 == 0 else order[::-1]:
+                # A fresh run per pass (its own lists); one whose engine failed keeps the error.
                 run = replace(plan[i], round=round_, tokens=[], seconds_all=[], accepted_per_pos=[])
                 if i not in llms:
-                    runs.append(replace(run, error=plan[i].error))
+                    runs.append(run)
                     continue
                 try:
                     runs.append(time_generation(llms[i], run, prompts, args))
