@@ -188,6 +188,46 @@ def test_step_cost_of_no_drafts_is_a_plain_pass():
     assert cost == pytest.approx(float(target(4)) + 0.5)
 
 
+def exhaustive_plan(
+    batch, *, max_depth, max_topk, max_nodes, acceptance, target, level, overhead, chain_only
+):
+    """plan_draft's specification: every shape (k outer, d inner) priced on its own tree."""
+    best = DraftPlan(0, 0, 0, 0, batch / (float(target(batch)) + overhead))
+    n = np.arange(max_nodes + 1, dtype=np.float64)
+    for k in [1] if chain_only else range(1, max_topk + 1):
+        for d in range(1, (min(max_depth, max_nodes) if chain_only else max_depth) + 1):
+            cost = (
+                target(batch * (1 + n)) + float(level(batch)) + (d - 1) * float(level(batch * k)) + overhead
+            )
+            size = min(max_nodes, k + (d - 1) * k * k)
+            rate = batch * (1 + expected_accepted(acceptance, d, k, size)) / cost[: size + 1]
+            j = size if chain_only else int(np.argmax(rate[1:])) + 1
+            if rate[j] > best.rate:
+                best = DraftPlan(d, k, size, j, float(rate[j]))
+    return best
+
+
+@pytest.mark.parametrize("chain_only", [False, True])
+def test_plan_is_the_best_shape_of_an_exhaustive_search(chain_only):
+    rng = np.random.default_rng(0)
+    chosen = []
+    for _ in range(200):
+        depth, topk = int(rng.integers(1, 8)), int(rng.integers(1, 12))
+        batch = int(rng.choice([1, 4, 16, 64]))
+        max_nodes = int(rng.integers(1, topk + (depth - 1) * topk * topk + 1))
+        p = rng.uniform(0.0, 1.0, (depth, topk)) * rng.uniform(0.1, 1.0)  # ranks in any order
+        costs = dict(
+            target=linear_curve(4096, rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.002)),
+            level=linear_curve(4096, rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.0005)),
+            overhead=rng.uniform(0.0, 0.01),
+        )
+        kw = dict(max_depth=depth, max_topk=topk, max_nodes=max_nodes, acceptance=p, chain_only=chain_only)
+        expected = exhaustive_plan(batch, **kw, **costs)
+        assert plan_draft(batch, **kw, **costs) == expected
+        chosen.append(expected.drafts)
+    assert 0.2 < np.mean(chosen) < 0.98  # the cases both draft and decline
+
+
 def test_chain_plan_keeps_every_node_of_its_depth():
     chosen = plan(1, linear_curve(4096, 0.01, 0.001), linear_curve(64, 0.001, 0.0), chain_only=True)
     assert chosen.topk == 1 and chosen.num_tokens == chosen.depth == chosen.per_request > 0

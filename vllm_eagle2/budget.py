@@ -294,7 +294,8 @@ def plan_draft(
     seconds: verification of every node, the root level and ``d - 1`` expansion levels of
     the draft, and the fixed costs of a step that drafts; no drafts yield ``batch`` tokens in
     ``target(batch) + overhead`` (:func:`step_cost`). Every d <= ``max_depth``,
-    k <= ``max_topk`` (k = 1 only when ``chain_only``) and n <= ``max_nodes`` is considered.
+    k <= ``max_topk`` (k = 1 only when ``chain_only``) and n <= ``max_nodes`` is considered;
+    of equal rates the smallest k, then d, then n wins.
 
     Args:
         batch: requests in the step (>= 1).
@@ -308,24 +309,46 @@ def plan_draft(
     verify = target if verify is None else verify
     draft_overhead = overhead if draft_overhead is None else draft_overhead
     none_rate = batch / (float(target(batch)) + overhead)
-    best = DraftPlan(0, 0, 0, 0, none_rate)
-    n = np.arange(max_nodes + 1, dtype=np.float64)
-    verified = verify(batch * (1 + n))
+    topks = np.arange(1, (1 if chain_only else max_topk) + 1)
+    n = np.arange(max_nodes + 1)
+    verified = verify(batch * (1.0 + n))
     root = float(level(batch))
-    for k in [1] if chain_only else range(1, max_topk + 1):
-        expand = float(level(batch * k))
-        for d in range(1, max_depth + 1):
-            if chain_only and d > max_nodes:
-                break
-            cost = verified + root + (d - 1) * expand + draft_overhead
-            size = min(max_nodes, _pool_size(d, k))
-            gain = expected_accepted(acceptance, d, k, size)
-            rate = batch * (1 + gain) / cost[: size + 1]
-            # A chain keeps all d of its nodes; a tree any number (the allocation may use more).
-            j = size if chain_only else int(np.argmax(rate[1:])) + 1
-            if rate[j] > best.rate:
-                best = DraftPlan(d, k, size, j, float(rate[j]))
-    return best
+    expand = level(batch * topks)[:, None]  # [K, 1]
+    best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
+    best_nodes = np.zeros((len(topks), max_depth), np.int64)
+    # Depth by depth for every k at once, growing the trees expected_accepted grows one at a time
+    # (at the defaults 6 rounds of array work instead of 60 shapes of it). Row k - 1 holds
+    # topk k: ``pool`` its best max_nodes path values so far (0 = no node) and ``level_values``
+    # its last level's, both best first; ``ranked`` says which of K ranks topk k has.
+    ranked = np.arange(len(topks))[None, :] < topks[:, None]  # [K, K]
+    level_values = np.where(ranked, acceptance[0, : len(topks)], 0.0)  # [K, K]: level 1 is the frontier
+    pool = np.zeros((len(topks), max_nodes))
+    for d in range(1, max_depth + 1):
+        if d > 1:
+            frontier = np.where(ranked, level_values[:, : len(topks)], 0.0)
+            children = np.where(ranked, acceptance[d - 1, : len(topks)], 0.0)
+            level_values = -np.sort(-(frontier[:, :, None] * children[:, None, :]).reshape(len(topks), -1))
+        merged = np.concatenate([pool, level_values], axis=1)
+        pool = -np.sort(-merged, axis=1)[:, :max_nodes]
+        gain = np.concatenate([np.zeros((len(topks), 1)), np.cumsum(pool, axis=1)], axis=1)
+        cost = verified + root + (d - 1) * expand + draft_overhead  # [K, N + 1]
+        rate = batch * (1 + gain) / cost
+        if chain_only:  # a chain keeps all d of its nodes
+            j = np.full(1, min(d, max_nodes))
+        else:
+            # A tree keeps any number of nodes (the allocation may use more). Past a shape's pool
+            # the gain is flat and costs never fall, so the first best n is within the pool.
+            j = np.argmax(rate[:, 1:], axis=1) + 1
+        best_rate[:, d - 1] = rate[np.arange(len(topks)), j]
+        best_nodes[:, d - 1] = j
+        if chain_only and d >= max_nodes:
+            break
+    k, d = np.unravel_index(int(np.argmax(best_rate)), best_rate.shape)
+    if not best_rate[k, d] > none_rate:
+        return DraftPlan(0, 0, 0, 0, none_rate)
+    topk, depth = int(topks[k]), int(d) + 1
+    size = min(max_nodes, _pool_size(depth, topk))
+    return DraftPlan(depth, topk, size, int(best_nodes[k, d]), float(best_rate[k, d]))
 
 
 def step_cost(
