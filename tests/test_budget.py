@@ -375,6 +375,39 @@ def test_a_price_not_run_follows_the_machine_speed():
     assert budget._costs()["verify"](12) == pytest.approx(1.5 * verify_before, rel=0.1)
 
 
+def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_eagle2 import adaptive
+
+    now = [0.0]
+    monkeypatch.setattr(
+        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
+    )
+    budget = make_budget()
+
+    def step(seconds: float, gap: float) -> None:  # a 4-token pass, the drafter, vLLM's turn
+        budget.step_started(4)
+        now[0] += seconds
+        budget.target_done()
+        plan = budget.plan(4)
+        budget.count_step(plan, [plan.per_request] * 4)
+        now[0] += gap
+
+    for kind, verify_per_token in (("plain steps", 0.01), ("drafting steps", 0.00001)):
+        budget.verify = linear_curve(256, 0.010, verify_per_token)  # drafts pay only when cheap
+        for _ in range(30):
+            step(0.010, 0.001)
+        drafts, costs = budget.plan(4).drafts, budget._costs()
+        assert drafts == (kind == "drafting steps")
+        step(0.010, 60.0)  # no requests for a minute
+        for _ in range(3):
+            step(0.010, 0.001)
+        assert budget.plan(4).drafts == drafts, kind
+        for name in ("overhead", "draft_overhead"):
+            assert budget._costs()[name] < 1.5 * costs[name] + 0.001, (kind, name)
+
+
 def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
     budget = make_budget()
     assert budget.plan(4).drafts

@@ -61,7 +61,8 @@ DISCOUNT = 0.98
 #: price of the cached plan (or of not drafting) has moved by more than ``REPLAN_DRIFT``.
 REPLAN_STEPS = 16
 REPLAN_DRIFT = 0.15
-#: Per step, the overheads move this far towards the measured one.
+#: Per step, the overheads move this far towards the measured one. The time between two steps
+#: rises by at most this share of itself per step: it includes the engine's idle time.
 OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
@@ -146,8 +147,12 @@ class AdaptiveBudget:
         self.target = CostCurve(max_tokens)
         self.verify = CostCurve(max_tokens)
         self.level = CostCurve(max_batch * topk)
+        # Seconds at speed 1 of a step besides its passes, from its start to the drafter's end
+        # (count_step), in a step without / with drafts; and from that end to the next step's
+        # start (vLLM's scheduling and output processing, shared by both kinds of step).
         self.overhead = 0.0
         self.draft_overhead: float | None = None  # None: not measured yet, ``overhead`` stands in
+        self.between = 0.0
         # The machine's speed: every price is ``speed`` times its curve (or overhead), which learn
         # the cost of each size at speed 1. See observe_target.
         self.speed = 1.0
@@ -170,6 +175,7 @@ class AdaptiveBudget:
         self._step_verifies = False  # this step verifies the drafts of the step before
         self._step_drafted = False  # this step sent drafts
         self._step_host: float | None = None
+        self._step_end: float | None = None
         self._step_mark: Any = None
         self._step_tokens = 0
         self._step_target = 0.0
@@ -224,18 +230,32 @@ class AdaptiveBudget:
         """The runner starts a step over ``tokens`` scheduled tokens."""
         now = time.perf_counter()
         if self._step_host is not None and self.fixed is None:
-            other = max(now - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
-            if self._step_verifies or self._step_drafted:
-                # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
-                last = self.overhead if self.draft_overhead is None else self.draft_overhead
-                self.draft_overhead = last + OVERHEAD_RATE * (other - last)
-            else:
-                self.overhead += OVERHEAD_RATE * (other - self.overhead)
+            self._observe_overheads(now)
         self._step_verifies, self._step_drafted = self._step_drafted, False
         self._step_host = now
         self._step_mark = self.clock.mark()
         self._step_tokens = tokens
         self._step_target = self._step_draft = 0.0
+
+    def _observe_overheads(self, now: float) -> None:
+        """Learn the last step's overhead and the time from its end to ``now``.
+
+        That gap is mostly the engine's own work, but it also holds whatever time the engine
+        waited for requests: one idle minute taken as overhead priced every step of its kind at
+        seconds, so the budget stopped running that kind and never saw it cheap again (measured
+        at batch 4: 32.8 tok/s, then after 30 s idle 24.8 tok/s, for good). So the overheads stop
+        at the drafter's end, and the gap rises by at most ``OVERHEAD_RATE`` of itself per step.
+        """
+        end = self._step_end if self._step_end is not None and self._step_end >= self._step_host else now
+        other = max(end - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
+        if self._step_verifies or self._step_drafted:
+            # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
+            last = self.overhead if self.draft_overhead is None else self.draft_overhead
+            self.draft_overhead = last + OVERHEAD_RATE * (other - last)
+        else:
+            self.overhead += OVERHEAD_RATE * (other - self.overhead)
+        gap = (now - end) / self.speed
+        self.between += OVERHEAD_RATE * min(gap - self.between, self.between or (end - self._step_host))
 
     def target_done(self) -> None:
         """The step's target pass, sampling and verification are done (the drafter starts)."""
@@ -346,8 +366,8 @@ class AdaptiveBudget:
             "target": ScaledCurve(self.target, speed),
             "verify": ScaledCurve(self.verify if self.verify.observed else self.target, speed),
             "level": ScaledCurve(self.level, speed),
-            "overhead": speed * self.overhead,
-            "draft_overhead": speed * draft_overhead,
+            "overhead": speed * (self.overhead + self.between),
+            "draft_overhead": speed * (draft_overhead + self.between),
         }
 
     def plan(self, batch: int) -> DraftPlan:
@@ -418,6 +438,7 @@ class AdaptiveBudget:
         self.steps += 1
         self.steps_without_drafts += total == 0
         self.nodes_per_step[total] += 1
+        self._step_end = time.perf_counter()
         self.nodes_per_request.update(counts)
         self.shapes[(plan.depth, plan.topk)] += 1
         now = time.monotonic()
@@ -439,6 +460,7 @@ class AdaptiveBudget:
             "shapes": {f"d{d}k{k}": c for (d, k), c in sorted(self.shapes.items())},
             "overhead_ms": self.speed * self.overhead * 1e3,
             "draft_overhead_ms": draft_overhead,
+            "between_steps_ms": self.speed * self.between * 1e3,
             "replans": self.replans,
             "speed": round(self.speed, 3),
             "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},
