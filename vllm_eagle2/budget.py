@@ -310,8 +310,7 @@ def plan_draft(
     draft_overhead = overhead if draft_overhead is None else draft_overhead
     none_rate = batch / (float(target(batch)) + overhead)
     topks = np.arange(1, (1 if chain_only else max_topk) + 1)
-    n = np.arange(max_nodes + 1)
-    verified = verify(batch * (1.0 + n))
+    verified = verify(batch * (1.0 + np.arange(max_nodes + 1)))
     root = float(level(batch))
     expand = level(batch * topks)[:, None]  # [K, 1]
     best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
@@ -333,8 +332,8 @@ def plan_draft(
         gain = np.concatenate([np.zeros((len(topks), 1)), np.cumsum(pool, axis=1)], axis=1)
         cost = verified + root + (d - 1) * expand + draft_overhead  # [K, N + 1]
         rate = batch * (1 + gain) / cost
-        if chain_only:  # a chain keeps all d of its nodes
-            j = np.full(1, min(d, max_nodes))
+        if chain_only:  # a chain keeps all d of its nodes (d <= max_nodes: the loop stops there)
+            j = np.full(1, d)
         else:
             # A tree keeps any number of nodes (the allocation may use more). Past a shape's pool
             # the gain is flat and costs never fall, so the first best n is within the pool.
