@@ -26,7 +26,7 @@ TEMPERATURE=${TEMPERATURE:-0}       # > 0: fill the sampled series sharegpt-t<T>
 EPOCHS=${EPOCHS:-4}
 LR=${LR:-1e-3}
 INIT_FROM=${INIT_FROM:-}            # a trained head to fine-tune (e.g. heads/smollm2-135m-eagle); empty: from scratch
-TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most; with DEADLINE (seconds from the start), less if time is short
+TRAIN_MINUTES=${TRAIN_MINUTES:-2.5}  # at most (0: replies only, no features or head); with DEADLINE (seconds from the start), less if time is short
 # TRAIN_TOK_S (optional): measured training tokens/s; then EPOCHS is an upper bound, lowered to what fits
 RESERVE=${RESERVE:-130}             # seconds kept for features, evaluations and packing
 BATCH_TOKENS=${BATCH_TOKENS:-4096}
@@ -41,10 +41,23 @@ stamp "MT-bench answers (held out)"
 "$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set mtbench --slice-size 80 \
     --max-new-tokens "$MAX_NEW_EVAL" --batch-size 80
 stamp "ShareGPT replies for $GEN_MINUTES min"
-"$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set sharegpt --slice-size "$SLICE" \
-    --max-new-tokens "$MAX_NEW" --batch-size "$GEN_BATCH" --max-minutes "$GEN_MINUTES" \
-    --temperature "$TEMPERATURE"
+gen_start=$SECONDS
+sharegpt() {  # $1: prompts per generate call, $2: minutes after which no slice starts
+    "$PY" scripts/generate_replies.py --data "$DATA" --target "$TARGET" --set sharegpt --slice-size "$SLICE" \
+        --max-new-tokens "$MAX_NEW" --batch-size "$1" --max-minutes "$2" --temperature "$TEMPERATURE"
+}
+# Slices are written whole, so a failed call (out of memory at a large GEN_BATCH) loses only the slice
+# in flight: the rest of the minutes go to half the batch.
+sharegpt "$GEN_BATCH" "$GEN_MINUTES" || {
+    left=$(awk -v m="$GEN_MINUTES" -v s=$(( SECONDS - gen_start )) 'BEGIN { printf "%.2f", m - s / 60 }')
+    stamp "generation failed at batch $GEN_BATCH; $left min left at batch $(( GEN_BATCH / 2 ))"
+    sharegpt $(( GEN_BATCH / 2 )) "$left"
+}
 tar -cf "$OUT/replies.tar" -C "$(dirname "$DATA")" "$(basename "$DATA")"
+if [ "$TRAIN_MINUTES" = 0 ]; then
+    stamp "done (TRAIN_MINUTES=0: replies only)"
+    exit 0
+fi
 if [ -n "${DEADLINE:-}" ]; then
     TRAIN_MINUTES=$(awk -v d="$DEADLINE" -v now=$(( SECONDS - t0 )) -v r="$RESERVE" -v m="$TRAIN_MINUTES" \
         'BEGIN { x = (d - now - r) / 60; if (x > m) x = m; if (x < 0.5) x = 0.5; printf "%.2f", x }')
