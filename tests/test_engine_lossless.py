@@ -156,16 +156,18 @@ def test_greedy_with_the_adaptive_budget_equals_no_speculation(
 @pytest.fixture(scope="module")
 def never_drafting(models, prompts) -> tuple[list[list[int]], dict, Counter]:
     """The adaptive budget under costs where verification is too dear to draft: (tokens, metrics,
-    calls of vLLM's rejection sampler and of its preparation of the drafter's inputs)."""
+    calls of vLLM's rejection sampler and of the head's passes and its draft ``lm_head``)."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from vllm_eagle2.proposer import Eagle2Proposer
 
     calls = Counter()
     spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
     with pytest.MonkeyPatch.context() as mp:
         for cls, name in [
             (RejectionSampler, "forward"),
-            (SpecDecodeBaseProposer, "prepare_next_token_ids_padded"),
+            (Eagle2Proposer, "_run_head"),
+            (Eagle2Proposer, "_draft_logits"),
         ]:
             stock = getattr(cls, name)
             mp.setattr(
@@ -184,10 +186,19 @@ def test_adaptive_budget_drafts_nothing_when_verification_costs_too_much(never_d
     assert metrics["vllm:spec_decode_num_drafts"] == 0
 
 
-def test_a_step_without_drafts_runs_as_plain_decoding(never_drafting):
-    """vLLM 0.32 sends every step of a speculative engine through its rejection sampler and prepares
-    the drafter's inputs, drafts or not; a step eagle2 keeps without drafts does neither."""
-    assert never_drafting[2] == Counter()
+def test_a_step_without_drafts_skips_the_rejection_sampler_and_the_draft_lm_head(never_drafting):
+    """vLLM 0.32 sends every step of a speculative engine through its rejection sampler, drafts or
+    not; a step eagle2 keeps without drafts samples as plain decoding and drafts nothing."""
+    calls = never_drafting[2]
+    assert calls["forward"] == 0 and calls["_draft_logits"] == 0, calls
+
+
+def test_a_step_without_drafts_keeps_the_heads_context_whole(never_drafting):
+    """The head's catch-up pass runs in every step, drafts or not, so that its KV holds every token
+    when drafting resumes (drafts from a context with gaps were rejected, and the budget learnt
+    from that never to draft)."""
+    _, metrics, calls = never_drafting
+    assert calls["_run_head"] == metrics["eagle2_budget"]["steps"] > 0
 
 
 def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, prompts, reference):

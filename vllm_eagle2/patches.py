@@ -22,8 +22,8 @@ What is patched (vLLM 0.32, file:function):
   of the rejection sampler; the adaptive budget's step timer starts in ``_prepare_inputs``. A
   step in which no request has drafts to verify prepares its inputs as plain decoding (vLLM's
   plain sampler; vLLM 0.32 otherwise runs its spec-decode metadata and rejection sampler in
-  every step), and ``propose_draft_token_ids`` returns before vLLM prepares the drafter's
-  inputs when the budget keeps the step without drafts (``Eagle2Proposer.begin_step``).
+  every step); ``propose_draft_token_ids`` lets the budget plan the step before vLLM prepares
+  the drafter's inputs (``Eagle2Proposer.begin_step``).
   Also, for eagle2 engines (and for every engine with ``VLLM_EAGLE2_FIX_VLLM_CPU=1``): a seeded
   request whose prefill chunk is discarded keeps its CPU generator untouched (vLLM rewinds it
   with ``set_offset``, which only CUDA generators have: a seeded request with a chunked prefill
@@ -336,10 +336,8 @@ def _patch_runner() -> None:
     propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
 
     def _propose_draft_token_ids(self, *args, **kwargs):
-        # A step the adaptive budget keeps without drafts skips vLLM's preparation of the
-        # drafter's inputs too, not only the drafter.
-        if _is_eagle2(self) and not self.drafter.begin_step(self.input_batch.num_reqs):
-            return [[] for _ in range(self.input_batch.num_reqs)]
+        if _is_eagle2(self):
+            self.drafter.begin_step(self.input_batch.num_reqs)  # the target pass ends here
         return propose_draft_token_ids(self, *args, **kwargs)
 
     sample = GPUModelRunner._sample
