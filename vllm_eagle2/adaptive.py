@@ -464,4 +464,16 @@ class AdaptiveBudget:
             "replans": self.replans,
             "speed": round(self.speed, 3),
             "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},
+            "acceptance_top1": [round(float(x), 3) for x in self.acceptance.p[:, 0]],
+            "prices_ms": self._prices_ms(),
         }
+
+    def _prices_ms(self) -> dict[str, dict[str, float]]:
+        """The cost model's current prices in ms (a target pass, a verifying one, a draft level),
+        at the curves' first knots: what the planner weighs, for the metrics."""
+        costs = self._costs()
+        out = {}
+        for name in ("target", "verify", "level"):
+            knots = [int(k) for k in getattr(self, name).knots[:7]]
+            out[name] = {str(k): round(1e3 * float(costs[name](k)), 2) for k in knots}
+        return out

@@ -41,6 +41,8 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         "shapes": {k: v for k, v in shapes.items() if v},
         "overhead_ms": round(after["overhead_ms"], 3),
         "replans": after["replans"] - before["replans"],
+        "acceptance_top1": after.get("acceptance_top1"),
+        "prices_ms": after.get("prices_ms"),
     }
 
 

@@ -94,6 +94,9 @@ def _budget_sum(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         "shapes": dict(sum((Counter(b["shapes"]) for b in have), Counter())),
         "overhead_ms": float(np.median([b["overhead_ms"] for b in have])),
         "replans": sum(b.get("replans", 0) for b in have),
+        # the last round's state of the cost and acceptance models: what the plans weighed
+        "acceptance_top1": have[-1].get("acceptance_top1"),
+        "prices_ms": have[-1].get("prices_ms"),
     }
 
 
