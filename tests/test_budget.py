@@ -343,6 +343,23 @@ def make_budget(**kw):
     return budget
 
 
+def test_acceptance_measured_low_drifts_back_to_the_prior_while_nothing_is_drafted():
+    # A first few drafts all rejected (here 100 at depth 1) must not rule drafting out for good:
+    # the counts keep being discounted in steps without drafts, so the budget tries again.
+    from vllm_eagle2.budget import NO_DRAFTS
+
+    budget = make_budget()
+    budget.stats[0, :2] = 100.0  # trials at depth 1, ranks 0 and 1; no acceptances
+    budget.copy_stats()
+    budget.after_sync()
+    steps_without = 0
+    while not (plan := budget.plan(1)).drafts and steps_without < 200:
+        budget.count_step(NO_DRAFTS, [0])
+        steps_without += 1
+    assert plan.drafts, budget.acceptance.p[0]
+    assert steps_without > 50  # not at once: the rejections still weigh for a while
+
+
 def test_budget_times_verifying_steps_on_their_own_curve():
     budget = make_budget()
     plan = budget.plan(4)

@@ -55,7 +55,9 @@ COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
 #: so that drafting never looks worth trying again.
 CALIBRATION_PASS_S = 0.25
 CALIBRATION_MIN_TOKENS = 64
-#: Per verified step, older acceptance counts are multiplied by this (a memory of ~50 steps).
+#: Per step, drafting or not, older acceptance counts are multiplied by this (a memory of ~50
+#: steps). While nothing is drafted, a table measured low thus drifts back to its prior, and
+#: drafting is tried again (a few unlucky drafts would otherwise rule it out for good).
 DISCOUNT = 0.98
 #: Plans are cached per batch size and recomputed after this many steps, or as soon as the
 #: price of the cached plan (or of not drafting) has moved by more than ``REPLAN_DRIFT``.
@@ -332,7 +334,6 @@ class AdaptiveBudget:
         depth0 = (depths - 1).clamp(0, self.depth - 1)
         cell = depth0 * self.stats.shape[1] + ranks.clamp(0, self.topk - 1)
         stats = self.stats.view(-1)
-        self.stats.mul_(DISCOUNT)
         stats.index_add_(0, cell.flatten(), parent_ok.flatten().float())
         stats.index_add_(0, (cell + self.topk).flatten(), accepted.flatten().float())
         row = depth0 * self.stats.shape[1] + 2 * self.topk
@@ -435,6 +436,10 @@ class AdaptiveBudget:
             kept = self._kept.get(len(counts), 1.0)
             self._kept[len(counts)] = kept + KEPT_RATE * (min(sent, 1.0) - kept)
         self._step_drafted = total > 0
+        # Once per step: the device table and its host copy forget alike (the copy, if one landed
+        # this step, was taken before this).
+        self.stats.mul_(DISCOUNT)
+        self.acceptance.decay(DISCOUNT)
         self.steps += 1
         self.steps_without_drafts += total == 0
         self.nodes_per_step[total] += 1

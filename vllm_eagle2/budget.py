@@ -215,6 +215,11 @@ class AcceptanceModel:
         accepts = np.asarray(accepts, dtype=np.float64)[: self.depth, : self.topk]
         self.accepts = np.minimum(accepts, self.trials)
 
+    def decay(self, factor: float) -> None:
+        """Discount the counts by ``factor`` (towards the prior)."""
+        self.trials = self.trials * factor
+        self.accepts = self.accepts * factor
+
     @property
     def p(self) -> np.ndarray:
         """[depth, topk] conditional acceptance probabilities."""
