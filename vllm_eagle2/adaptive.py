@@ -69,10 +69,11 @@ OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
 # The share of planned drafts the allocation sends, per batch size: an exponential average at
-# KEPT_RATE per drafting step; while it keeps a batch size from drafting, each replan moves it
-# KEPT_RECOVERY of the way back to 1, so drafting is tried again as acceptance changes.
+# KEPT_RATE per drafting step; each step planned without drafts moves it KEPT_RECOVERY of the way
+# back to 1, so drafting is tried again within a replan or two (per replan, it took 64 steps at
+# batch 1: a sixth of them without drafts, after five unconfident drafts in a row).
 KEPT_RATE = 0.2
-KEPT_RECOVERY = 0.1
+KEPT_RECOVERY = 0.05
 LOG_INTERVAL_S = 10.0
 
 
@@ -400,17 +401,17 @@ class AdaptiveBudget:
         )
         none = step_cost(NO_DRAFTS, batch, **costs)
         seconds = step_cost(plan, batch, **costs)
-        kept = self._kept.get(batch, 1.0)
         share = 1.0
         if plan.drafts:
             # The allocation sends the best nodes first: sending a fraction of the planned
             # nodes keeps the gain of that many best nodes, not that fraction of the gain.
+            # Interpolated, not rounded: a one-node plan sent in 40% of steps keeps 40% of its
+            # gain, not none of it.
             gains = expected_accepted(self.acceptance.p, plan.depth, plan.topk, plan.per_request)
             if gains[-1] > 0:
-                share = float(gains[int(round(kept * plan.per_request))] / gains[-1])
+                kept = self._kept.get(batch, 1.0) * plan.per_request
+                share = float(np.interp(kept, np.arange(len(gains)), gains) / gains[-1])
         realized = with_gain_share(plan, batch, share, seconds, none)
-        if plan.drafts and not realized.drafts:
-            self._kept[batch] = kept + KEPT_RECOVERY * (1.0 - kept)
         self._plans[batch] = (self._step, realized, seconds if realized.drafts else none, none)
         return realized
 
@@ -431,10 +432,13 @@ class AdaptiveBudget:
     def count_step(self, plan: DraftPlan, counts: list[int]) -> None:
         """Metrics of one step: the plan and the drafts sent for each request."""
         total = sum(counts)
-        if plan.drafts and counts:
-            sent = total / (plan.per_request * len(counts))
+        if counts:
             kept = self._kept.get(len(counts), 1.0)
-            self._kept[len(counts)] = kept + KEPT_RATE * (min(sent, 1.0) - kept)
+            if plan.drafts:
+                sent = min(total / (plan.per_request * len(counts)), 1.0)
+                self._kept[len(counts)] = kept + KEPT_RATE * (sent - kept)
+            else:
+                self._kept[len(counts)] = kept + KEPT_RECOVERY * (1.0 - kept)
         self._step_drafted = total > 0
         # Once per step: the device table and its host copy forget alike (the copy, if one landed
         # this step, was taken before this).
