@@ -30,6 +30,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vllm_eagle2.bench.config import draft_vocab_arg
 from vllm_eagle2.profiling import profile
 from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
@@ -47,7 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--tree", default="dynamic")
-    p.add_argument("--draft-vocab", type=int, default=0, help="eagle2 draft_vocab_size (0 = whole)")
+    p.add_argument(
+        "--draft-vocab",
+        type=draft_vocab_arg,
+        default="auto",
+        help="eagle2 draft_vocab_size: auto (the default) or a size (0 = the whole vocabulary)",
+    )
     p.add_argument("--never", action="store_true", help="eagle2 priced never to draft")
     p.add_argument(
         "--adaptive",

@@ -109,6 +109,15 @@ def test_acceptance_model_starts_at_its_prior_and_follows_the_counts():
     assert model.p == pytest.approx(np.full((2, 3), 0.9), abs=0.01)
 
 
+def test_an_unmeasured_position_is_priced_from_the_measured_one_beside_it():
+    model = AcceptanceModel(depth=2, topk=3)
+    trials, accepts = np.zeros((2, 3)), np.zeros((2, 3))
+    trials[0, 0], accepts[0, 0] = 1000.0, 300.0  # only the top-1 child of the root was drafted
+    model.update(trials, accepts)
+    assert model.p[0].tolist() == pytest.approx([0.3, 0.15, 0.075], abs=0.001)
+    assert model.p[1, 0] == pytest.approx(0.3, abs=0.001)  # one level down: as the level above
+
+
 def test_expected_accepted_of_a_chain_is_the_sum_of_path_products():
     p = acceptance(0.8, 0.5, depth=3, topk=2)
     e = expected_accepted(p, depth=3, topk=1, max_nodes=3)

@@ -227,6 +227,24 @@ def test_config_reads_the_draft_vocabulary_from_the_head(models):
     assert settings.draft_vocab_ids == tuple(RANKING[:40])
 
 
+def test_auto_draft_vocabulary_is_the_rankings_most_frequent_tokens_covering_97_percent(models):
+    # Counts 100, 99, ..., 1 (5,050 in all): the first 84 sum to 4,914, the first 83 to 4,897 < 97%.
+    config = engine_config(models["target"], eagle2(models["ranked_head"], **KNOBS))
+    settings = config.speculative_config.eagle2
+    assert settings.draft_vocab_auto and settings.draft_vocab_size == 84
+    assert settings.draft_vocab_ids == tuple(RANKING[:84])
+
+
+def test_auto_draft_vocabulary_is_the_whole_one_for_a_head_without_a_ranking(config):
+    settings = config.speculative_config.eagle2
+    assert settings.draft_vocab_auto and (settings.draft_vocab_size, settings.draft_vocab_ids) == (0, ())
+
+
+def test_auto_draft_vocabulary_is_the_whole_one_for_an_eagle3_head(models):
+    config = engine_config(models["target"], eagle2(models["eagle3_head"], **KNOBS))
+    assert config.speculative_config.eagle2.draft_vocab_size == 0
+
+
 def test_draft_model_is_the_eagle2_head_class(config):
     draft = config.speculative_config.draft_model_config
     assert draft.hf_config.architectures == ["Eagle2LlamaForCausalLM"]
@@ -280,6 +298,11 @@ INVALID = {
     "head of another hidden size": (KNOBS, "narrow_head", ["speculative_config.model", "hidden_size", "64"]),
     "head of another vocab": (KNOBS, "other_vocab_head", ["speculative_config.model", "vocab_size", "640"]),
     "truncated head weights": (KNOBS, "truncated_head", ["speculative_config.model", "truncated"]),
+    "draft vocabulary neither auto nor a size": (
+        dict(KNOBS, draft_vocab_size="most"),
+        "head",
+        ["speculative_config.draft_vocab_size", '"auto"', "'most'"],
+    ),
     "draft vocabulary below topk": (
         dict(KNOBS, draft_vocab_size=2),
         "ranked_head",

@@ -14,12 +14,15 @@ instead of the temperature (``vllm_eagle2/patches.py`` says why), and this test 
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from conftest import run_llm
 from scipy.stats import chi2_contingency
 
+from vllm_eagle2 import draft_vocab
 from vllm_eagle2.adaptive import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 from vllm_eagle2.testing import build_eagle3_head, build_pair
@@ -92,6 +95,22 @@ def test_sampled_tokens_with_an_eagle3_head_follow_the_target_distribution(pair,
     # Draft probabilities over the head's own vocabulary, mapped to target ids: tokens outside it are
     # never drafted, and the residual distribution must still restore them.
     spec = {"method": "eagle2", "model": str(eagle3_head), **SPEC, "budget": "fixed"}
+    spec_samples = sample(pair[0], spec)
+    pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_sampled_tokens_drafted_from_a_draft_vocabulary_follow_the_target_distribution(
+    pair, reference, tmp_path
+):
+    # The head ranks the reference's tokens; draft_vocab_size "auto" (the default) keeps the most
+    # frequent ones, so the rarer tokens are never drafted and only the residual restores them.
+    head = shutil.copytree(pair[1], tmp_path / "ranked-head")
+    tokens, counts = np.unique(reference, return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    draft_vocab.write_ranking(head, tokens[order].tolist(), counts[order].tolist(), "test")
+    assert SPEC["topk"] <= draft_vocab.covering_size(head) < len(tokens)
+    spec = {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"}
     spec_samples = sample(pair[0], spec)
     pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) > 1e-3, pvalues

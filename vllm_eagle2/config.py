@@ -1,14 +1,14 @@
 """The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
 
-Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m,
-"depth": 6, "topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": 0}``. vLLM's own config
+Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m, "depth": 6,
+"topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto"}``. vLLM's own config
 class rejects unknown keys, so the plugin pops the eagle2 keys here, validates everything
 that can be checked without weights, and hands the rest to vLLM.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ DEFAULT_TREE = "dynamic"
 #: the full (m, depth, topk) tree.
 BUDGETS = ("adaptive", "fixed")
 DEFAULT_BUDGET = "adaptive"
+#: ``draft_vocab_size: "auto"``: the head's most frequent tokens covering
+#: :data:`vllm_eagle2.draft_vocab.COVERAGE` of its ranking, when the head ships one and its
+#: format and the parallelism allow it; else the whole vocabulary.
+AUTO = "auto"
 EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size")
 
 
@@ -41,8 +45,10 @@ class Eagle2Settings:
     tree: one of :data:`vllm_eagle2.tree.TREE_MODES`.
     budget: one of :data:`BUDGETS`; with ``adaptive`` the three sizes above are upper bounds.
     draft_vocab_size: draft from the head's N most frequent tokens (0: the whole vocabulary),
-    see :mod:`vllm_eagle2.draft_vocab`; draft_vocab_ids: those N token ids, read from the
-    head folder by the plugin (:func:`check_draft_vocab`).
+    see :mod:`vllm_eagle2.draft_vocab`; None until the plugin resolves ``"auto"`` against the
+    head (:func:`resolve_draft_vocab`). draft_vocab_auto: the user left it at ``"auto"`` (a
+    head that cannot cut its ``lm_head`` then drafts from the whole vocabulary instead of
+    failing). draft_vocab_ids: the N token ids, read from the head folder by the plugin.
     head_format: the head's checkpoint format, ``eagle`` or ``eagle3`` (read from the head folder
     by the plugin, :func:`vllm_eagle2.head_files.check_head`).
     """
@@ -52,7 +58,8 @@ class Eagle2Settings:
     topk: int = DEFAULT_TOPK
     tree: str = DEFAULT_TREE
     budget: str = DEFAULT_BUDGET
-    draft_vocab_size: int = 0
+    draft_vocab_size: int | None = None
+    draft_vocab_auto: bool = True
     draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
     head_format: str = "eagle"
 
@@ -98,8 +105,9 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
                 f"speculative_config.num_speculative_tokens must be in [1, {pool}] (the tree pool "
                 f"topk + (depth-1)*topk^2 for depth={depth}, topk={topk}); got {num_tokens}"
             )
-    draft_vocab_size = _int_field("draft_vocab_size", spec.get("draft_vocab_size", 0), 0)
-    if 0 < draft_vocab_size < topk:
+    raw_vocab = spec.get("draft_vocab_size", AUTO)
+    draft_vocab_size = None if raw_vocab == AUTO else _vocab_field(raw_vocab)
+    if draft_vocab_size is not None and 0 < draft_vocab_size < topk:
         raise Eagle2ConfigError(
             f"speculative_config.draft_vocab_size must be 0 (the whole vocabulary) or >= topk ({topk}); "
             f"got {draft_vocab_size}"
@@ -111,7 +119,60 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
         tree=tree,
         budget=budget,
         draft_vocab_size=draft_vocab_size,
+        draft_vocab_auto=draft_vocab_size is None,
     )
+
+
+def _vocab_field(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Eagle2ConfigError(
+            f'speculative_config.draft_vocab_size must be "{AUTO}", 0 (the whole vocabulary) or a '
+            f"positive integer; got {value!r}"
+        )
+    return value
+
+
+def resolve_draft_vocab(
+    settings: Eagle2Settings,
+    head: Any,
+    *,
+    eagle3_vocab: int,
+    tensor_parallel_size: int,
+    target_vocab_size: int | None,
+) -> Eagle2Settings:
+    """``settings`` with the draft vocabulary fixed: ``"auto"`` resolved, the token ids read.
+
+    eagle3_vocab: 0 for a head that drafts over the target's vocabulary; else the size of the
+    EAGLE-3 head's own. ``"auto"`` is the whole vocabulary for an EAGLE-3 head (already cut), with
+    tensor parallelism (the cut ``lm_head`` is unsharded) and for a head without a ranking;
+    otherwise the head's most frequent tokens covering :data:`draft_vocab.COVERAGE` of its
+    ranking's counts (at least ``topk``). An explicit size those rule out is an Eagle2ConfigError.
+    """
+    size = settings.draft_vocab_size
+    if size is None:
+        path = Path(str(head)).expanduser()
+        size = 0
+        if not eagle3_vocab and tensor_parallel_size == 1 and (path / draft_vocab.FILE_NAME).is_file():
+            try:
+                size = max(draft_vocab.covering_size(path), settings.topk)
+            except ValueError as exc:
+                raise Eagle2ConfigError(
+                    f'speculative_config.draft_vocab_size="{AUTO}" reads the head\'s token ranking: {exc} '
+                    "(rewrite it with scripts/train_eagle_head.py --draft-vocab-only, or set "
+                    "draft_vocab_size to 0)"
+                ) from exc
+    elif size and eagle3_vocab:
+        raise Eagle2ConfigError(
+            "speculative_config.draft_vocab_size must be 0 with an EAGLE-3 head (it drafts over its "
+            f"own vocabulary of {eagle3_vocab} tokens); got {size}"
+        )
+    elif size and tensor_parallel_size > 1:
+        raise Eagle2ConfigError(
+            "speculative_config.draft_vocab_size must be 0 with tensor_parallel_size > 1 "
+            f"(the draft vocabulary cuts an unsharded lm_head); got {size}"
+        )
+    ids = tuple(check_draft_vocab(head, size, target_vocab_size)) if size else ()
+    return replace(settings, draft_vocab_size=size, draft_vocab_ids=ids)
 
 
 def check_draft_vocab(head: Any, size: int, target_vocab_size: int | None) -> list[int]:

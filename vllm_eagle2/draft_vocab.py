@@ -10,7 +10,8 @@ the tokens/s of drafting from the whole vocabulary, see the README's results.)
 
 ``draft_vocab.json`` in the head folder ranks token ids by how often the target emits them
 (``scripts/train_eagle_head.py`` writes it from its training data); ``draft_vocab_size: N`` in
-``speculative_config`` drafts from the first N.
+``speculative_config`` drafts from the first N; ``"auto"``, the default, from the first
+:func:`covering_size` (the whole vocabulary for a head without a ranking).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 FILE_NAME = "draft_vocab.json"
+#: ``draft_vocab_size: "auto"`` keeps the most frequent tokens that make up this share of the
+#: ranking's counts: 8,714 of SmolLM2's 49,152 (they cover 92-93% of its MT-bench answers; drafts
+#: for rarer tokens are seldom accepted).
+COVERAGE = 0.97
 
 
 def write_ranking(head: str | Path, token_ids: Sequence[int], counts: Sequence[int], source: str) -> Path:
@@ -37,18 +43,39 @@ def write_ranking(head: str | Path, token_ids: Sequence[int], counts: Sequence[i
     return path
 
 
-def read_ranking(head: str | Path) -> list[int]:
-    """The ranked token ids of ``head/draft_vocab.json``; raises ValueError if absent or malformed."""
+def _read(head: str | Path, key: str) -> list[Any]:
     path = Path(head) / FILE_NAME
     if not path.is_file():
         raise ValueError(f"no {FILE_NAME} in {head}")
     try:
-        ids = json.loads(path.read_text())["token_ids"]
+        values = json.loads(path.read_text())[key]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not a draft vocabulary ({exc})") from exc
-    if not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: token_ids must be distinct non-negative integers")
+    if not isinstance(values, list) or not all(isinstance(v, int) and v >= 0 for v in values):
+        raise ValueError(f"{path}: {key} must be a list of non-negative integers")
+    return values
+
+
+def read_ranking(head: str | Path) -> list[int]:
+    """The ranked token ids of ``head/draft_vocab.json``; raises ValueError if absent or malformed."""
+    ids = _read(head, "token_ids")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{Path(head) / FILE_NAME}: token_ids must be distinct")
     return ids
+
+
+def covering_size(head: str | Path, coverage: float = COVERAGE) -> int:
+    """The fewest top-ranked tokens whose counts in ``head/draft_vocab.json`` reach ``coverage``
+    of all counted tokens; raises ValueError if the file is absent or malformed."""
+    counts = _read(head, "counts")
+    if len(counts) != len(read_ranking(head)) or not sum(counts):
+        raise ValueError(f"{Path(head) / FILE_NAME}: counts must match token_ids and not all be 0")
+    total, running = sum(counts), 0
+    for n, count in enumerate(counts, 1):
+        running += count
+        if running >= coverage * total:
+            return n
+    return len(counts)
 
 
 class DraftVocab:

@@ -57,7 +57,7 @@ import os
 import typing
 from typing import Any
 
-from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, check_draft_vocab, parse_settings
+from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, parse_settings, resolve_draft_vocab
 from vllm_eagle2.head_files import EAGLE3, TargetShape, check_head, draft_method
 
 logger = logging.getLogger("vllm_eagle2")
@@ -186,22 +186,13 @@ def _patch_config() -> None:
         )
         head = check_head(spec.get("model"), target)
         settings = dataclasses.replace(settings, head_format=head.format)
-        if settings.draft_vocab_size and head.format == EAGLE3:
-            raise Eagle2ConfigError(
-                "speculative_config.draft_vocab_size must be 0 with an EAGLE-3 head (it drafts over its "
-                f"own vocabulary of {head.draft_vocab_size or target.vocab_size} tokens); "
-                f"got {settings.draft_vocab_size}"
-            )
-        if settings.draft_vocab_size:
-            if self.tensor_parallel_size > 1:
-                raise Eagle2ConfigError(
-                    "speculative_config.draft_vocab_size must be 0 with tensor_parallel_size > 1 "
-                    f"(the draft vocabulary cuts an unsharded lm_head); got {settings.draft_vocab_size}"
-                )
-            ids = check_draft_vocab(
-                spec.get("model"), settings.draft_vocab_size, target_model_config.get_vocab_size()
-            )
-            settings = dataclasses.replace(settings, draft_vocab_ids=tuple(ids))
+        settings = resolve_draft_vocab(
+            settings,
+            spec.get("model"),
+            eagle3_vocab=(head.draft_vocab_size or target.vocab_size) if head.format == EAGLE3 else 0,
+            tensor_parallel_size=self.tensor_parallel_size,
+            target_vocab_size=target.vocab_size,
+        )
         vllm_spec = {key: value for key, value in spec.items() if key not in EXTRA_KEYS}
         vllm_spec["num_speculative_tokens"] = settings.nodes_per_step
         self.speculative_config = vllm_spec

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_eagle2.bench.config import NEVER_COSTS
+from vllm_eagle2.bench.config import NEVER_COSTS, vocab_label
 from vllm_eagle2.datasets import load_prompts
 from vllm_eagle2.engine import build_llm, prepare_env, shutdown_llm, warm_up
 from vllm_eagle2.machine import cpu_description, cpu_note
@@ -226,7 +226,7 @@ def profile(args: argparse.Namespace) -> str:
         "draft_vocab_size": args.draft_vocab,
         "budget": "fixed",  # this tree every step: the measurement needs it
     }
-    label = f"eagle2 {args.tree} m={m} d={d} k={k}" + (f" V={args.draft_vocab}" if args.draft_vocab else "")
+    label = f"eagle2 {args.tree} m={m} d={d} k={k}" + vocab_label(args.draft_vocab)
     env = None
     if args.never:
         # the adaptive budget under costs where no draft pays: what a step without drafts costs

@@ -22,6 +22,7 @@ to its share of one budget for the batch (each tree is best first, so any prefix
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -37,6 +38,8 @@ from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
 from vllm_eagle2.tree import build_dynamic_tree
+
+logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 _PAD_SLOT = -1
 
@@ -131,14 +134,27 @@ class Eagle2Proposer(EagleProposer):
             self.draft_vocab = self._load_draft_vocab()
         self.d2t = getattr(self.model, "draft_id_to_target_id", None)
 
-    def _load_draft_vocab(self) -> DraftVocab:
+    def _load_draft_vocab(self) -> DraftVocab | None:
+        """The ``lm_head`` cut to the draft vocabulary; None (the whole vocabulary) where it
+        cannot be cut and the user left ``draft_vocab_size`` at ``"auto"``."""
         weight = getattr(self.model.lm_head, "weight", None)
         processor = self.model.logits_processor
+        problem = None
         if weight is None or weight.dim() != 2 or not weight.is_floating_point():
-            raise RuntimeError("eagle2 draft_vocab_size needs an unquantized lm_head; set it to 0")
-        if getattr(processor, "soft_cap", None):
-            raise RuntimeError("eagle2 draft_vocab_size does not support logit soft-capping; set it to 0")
+            problem = "needs an unquantized lm_head"
+        elif getattr(processor, "soft_cap", None):
+            problem = "does not support logit soft-capping"
+        if problem and self.settings.draft_vocab_auto:
+            logger.info("eagle2: drafting from the whole vocabulary (a draft vocabulary %s)", problem)
+            return None
+        if problem:
+            raise RuntimeError(f"eagle2 draft_vocab_size {problem}; set it to 0")
         ids = torch.tensor(self.settings.draft_vocab_ids, dtype=torch.long)
+        logger.info(
+            "eagle2: drafting from the head's %d most frequent tokens (draft_vocab_size%s)",
+            len(ids),
+            ": auto" if self.settings.draft_vocab_auto else "",
+        )
         return DraftVocab(ids, weight.detach(), scale=float(processor.scale))
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

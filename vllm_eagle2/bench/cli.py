@@ -74,10 +74,12 @@ from pathlib import Path
 from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import (
     ALL_MODES,
+    AUTO,
     BUDGETS,
     DEFAULT_MODES,
     _int_list,
     _setting_list,
+    draft_vocab_arg,
     resolve_target,
 )
 from vllm_eagle2.bench.engines import run_all
@@ -134,9 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--draft-vocab",
-        type=int,
-        default=0,
-        help="eagle2 draft_vocab_size for every eagle2 mode (0 = the whole vocabulary)",
+        type=draft_vocab_arg,
+        default=AUTO,
+        help="eagle2 draft_vocab_size for every eagle2 mode: auto (the default), or a size (0 = the "
+        "whole vocabulary)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048)

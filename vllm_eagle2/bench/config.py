@@ -23,6 +23,7 @@ ALL_MODES = ("nospec", "nospec_sync", "nospec_vec", "eagle", *EAGLE3_MODES, "def
 #: ``never``: step costs (``vllm_eagle2.adaptive.COSTS_ENV``) under which no draft ever pays.
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
+AUTO = "auto"  # vllm_eagle2.config.AUTO, the draft_vocab_size default
 #: eagle2's (num_speculative_tokens, depth, topk) when not given: the tiny pair, a real model.
 TINY_TREE = (12, 4, 3)
 REAL_TREE = (16, 5, 4)
@@ -32,19 +33,33 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _setting_list(text: str) -> list[tuple[str, int, int, int, int]]:
-    """``"16:5:4,static:60:3:10:8192"`` -> [("dynamic", 16, 5, 4, 0), ("static", 60, 3, 10, 8192)]
-    (tree mode, m, depth, topk, draft vocab; mode ``dynamic`` and draft vocab 0 unless given)."""
+def draft_vocab_arg(text: str) -> int | str:
+    """``--draft-vocab``: ``auto`` (eagle2's default) or a size, 0 = the whole vocabulary."""
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not {AUTO} or a size (0 = the whole vocabulary)")
+    return int(text)
+
+
+def vocab_label(vocab: int | str) -> str:
+    """A run label's draft-vocabulary part: none for ``auto``, `` V=all`` for the whole vocabulary."""
+    return "" if vocab == AUTO else f" V={vocab or 'all'}"
+
+
+def _setting_list(text: str) -> list[tuple[str, int, int, int, int | str]]:
+    """``"16:5:4,static:60:3:10:8192"`` -> [("dynamic", 16, 5, 4, "auto"), ("static", 60, 3, 10, 8192)]
+    (tree mode, m, depth, topk, draft vocab; mode ``dynamic`` and draft vocab ``auto`` unless given)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
         mode = parts.pop(0) if parts and parts[0] in TREE_MODES else "dynamic"
-        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts):
+        if len(parts) not in (3, 4) or not all(x.isdigit() for x in parts[:3]):
             raise argparse.ArgumentTypeError(
                 f"{item!r} is not [MODE:]M:DEPTH:TOPK[:DRAFT_VOCAB] (MODE one of {', '.join(TREE_MODES)})"
             )
-        m, d, k, *vocab = (int(x) for x in parts)
-        out.append((mode, m, d, k, vocab[0] if vocab else 0))
+        m, d, k = (int(x) for x in parts[:3])
+        out.append((mode, m, d, k, draft_vocab_arg(parts[3]) if len(parts) == 4 else AUTO))
     return out
 
 
@@ -103,12 +118,13 @@ def eagle2_run(
     m: int,
     d: int,
     k: int,
-    vocab: int = 0,
+    vocab: int | str = AUTO,
     budget: str = "adaptive",
     sweep: bool = False,
 ) -> Run:
     """An eagle2 run of tree ``mode`` with m nodes, depth d, top-k k (upper bounds with the adaptive
-    ``budget``), draft vocabulary ``vocab`` (0 = whole; ``sweep``: a row of the tree-size table)."""
+    ``budget``), draft vocabulary ``vocab`` (``auto``, 0 = whole, or a size; ``sweep``: a row of the
+    tree-size table)."""
     if mode == "defaults":
         return Run("defaults", "eagle2 defaults", bs, {"method": "eagle2", "model": str(head)})
     if mode == "never":
@@ -133,7 +149,7 @@ def eagle2_run(
         "draft_vocab_size": vocab,
     }
     label = f"eagle2 {mode} d={d}" if mode == "chain" else f"eagle2 {mode} m={m} d={d} k={k}"
-    label += (f" V={vocab}" if vocab else "") + f" {budget}"
+    label += vocab_label(vocab) + f" {budget}"
     return Run("sweep" if sweep else mode, label, bs, spec)
 
 
