@@ -115,7 +115,7 @@ def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
         return f"llm-{run.mode}"
 
     def time_generation(llm: str, run: Run, prompts, args) -> Run:
-        events.append(("pass", run.round, run.mode, llm))
+        events.append(("pass", run.round, run.mode, llm, metrics[0]))
         run.tokens.append([run.round])
         return run
 
@@ -123,22 +123,28 @@ def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
     monkeypatch.setattr(engines, "start_engine", start_engine)
     monkeypatch.setattr(engines, "time_generation", time_generation)
     monkeypatch.setattr(engines, "stop_engine", lambda llm: events.append(("stop", llm)))
+    # The counters read in a pass: those of the engine started last, unless a pass swaps its own in.
+    metrics = [None]
+    monkeypatch.setattr(engines, "own_metrics", lambda: f"metrics-{events[-1][1]}")
+    monkeypatch.setattr(engines, "use_metrics", lambda m: metrics.__setitem__(0, m))
     runs = engines.run_all(argparse.Namespace(rounds=3, interleave=True), None, [], [1])
     return events, runs
 
 
-def test_interleave_starts_each_engine_once_and_alternates_their_passes(interleaved) -> None:
+def test_interleave_starts_each_engine_once_and_alternates_their_passes_on_their_own_counters(
+    interleaved,
+) -> None:
     events, _ = interleaved
     assert events == [
         ("start", "nospec"),
         ("start", "eagle"),
         ("start", "defaults"),
-        ("pass", 0, "nospec", "llm-nospec"),
-        ("pass", 0, "defaults", "llm-defaults"),
-        ("pass", 1, "defaults", "llm-defaults"),
-        ("pass", 1, "nospec", "llm-nospec"),
-        ("pass", 2, "nospec", "llm-nospec"),
-        ("pass", 2, "defaults", "llm-defaults"),
+        ("pass", 0, "nospec", "llm-nospec", "metrics-nospec"),
+        ("pass", 0, "defaults", "llm-defaults", "metrics-defaults"),
+        ("pass", 1, "defaults", "llm-defaults", "metrics-defaults"),
+        ("pass", 1, "nospec", "llm-nospec", "metrics-nospec"),
+        ("pass", 2, "nospec", "llm-nospec", "metrics-nospec"),
+        ("pass", 2, "defaults", "llm-defaults", "metrics-defaults"),
         ("stop", "llm-nospec"),
         ("stop", "llm-defaults"),
     ]
@@ -152,6 +158,25 @@ def test_interleave_gives_every_pass_a_fresh_run_and_fails_an_unstarted_engine_i
     assert all(r.tokens == [[r.round]] for r in runs if r.mode != "eagle")  # no token list shared
     assert {r.error for r in runs if r.mode == "eagle"} == {"RuntimeError: no memory left"}
     assert all(r.error is None for r in runs if r.mode != "eagle")
+
+
+def test_an_engines_own_metrics_come_back_after_a_later_engine_unregistered_them() -> None:
+    from prometheus_client import REGISTRY, Counter
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from vllm_eagle2.engine import own_metrics, use_metrics
+
+    counter = Counter("vllm:test_drafts", "drafts of a first engine")
+    try:
+        first = own_metrics()
+        assert counter in first
+        unregister_vllm_metrics()  # what a second engine's start does
+        assert counter not in own_metrics()
+        use_metrics(first)
+        counter.inc(3)
+        assert REGISTRY.get_sample_value("vllm:test_drafts_total") == 3
+    finally:
+        unregister_vllm_metrics()
 
 
 def test_budget_counters_add_up_over_rounds() -> None:

@@ -138,6 +138,29 @@ def spec_counters(llm: Any) -> tuple[float, float, list[float]]:
     return drafts, accepted, per_pos
 
 
+def own_metrics() -> list[Any]:
+    """vLLM's Prometheus collectors now registered: those of the engine started last.
+
+    Each engine's start unregisters every ``vllm:`` collector of the process, so with several engines
+    up at once ``llm.get_metrics()`` reads only the last one's counters (the others read as no
+    speculation). Keep each engine's list right after its start and :func:`use_metrics` it before
+    reading that engine's counters.
+    """
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names) if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def use_metrics(collectors: list[Any]) -> None:
+    """Make ``collectors`` (from :func:`own_metrics`) the process's ``vllm:`` metrics."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    for collector in collectors:
+        REGISTRY.register(collector)
+
+
 def shutdown_llm(llm: Any) -> None:
     """Stop the engine's core (its processes); then drop the last reference and ``gc.collect()``."""
     llm.llm_engine.engine_core.shutdown()

@@ -12,7 +12,7 @@ from typing import Any
 from vllm_eagle2.bench import log
 from vllm_eagle2.bench.config import Target, plan_runs
 from vllm_eagle2.bench.records import Run, mean_drafts_per_step
-from vllm_eagle2.engine import build_llm, shutdown_llm, spec_counters, warm_up
+from vllm_eagle2.engine import build_llm, own_metrics, shutdown_llm, spec_counters, use_metrics, warm_up
 
 #: Token-id prompts, as ``llm.generate`` takes them.
 Prompts = list[dict[str, list[int]]]
@@ -134,11 +134,13 @@ def _interleaved(args: argparse.Namespace, target: Target, prompts: Prompts, bs:
     """
     plan = plan_runs(args, target, bs)
     llms: dict[int, Any] = {}
+    metrics: dict[int, list[Any]] = {}  # each engine's own counters (engine.own_metrics)
     runs: list[Run] = []
     try:
         for i, run in enumerate(plan):
             try:
                 llms[i] = start_engine(run, target, prompts, args)
+                metrics[i] = own_metrics()
             except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
                 _failed(run, exc)
         order = list(range(len(plan)))
@@ -150,6 +152,7 @@ def _interleaved(args: argparse.Namespace, target: Target, prompts: Prompts, bs:
                     runs.append(run)
                     continue
                 try:
+                    use_metrics(metrics[i])
                     runs.append(time_generation(llms[i], run, prompts, args))
                 except Exception as exc:  # noqa: BLE001
                     runs.append(_failed(run, exc))
