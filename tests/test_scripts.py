@@ -98,11 +98,13 @@ def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() 
 
 
 def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
-    """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one."""
+    """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one; V is
+    eagle2's draft_vocab_size, ``auto`` unless given."""
     benchmark = importlib.import_module("vllm_eagle2.bench.config")  # scripts/benchmark.py's options
-    assert benchmark._setting_list("16:5:4,static:60:3:10:8192") == [
-        ("dynamic", 16, 5, 4, 0),
+    assert benchmark._setting_list("16:5:4,static:60:3:10:8192,4:2:2:0") == [
+        ("dynamic", 16, 5, 4, "auto"),
         ("static", 60, 3, 10, 8192),
+        ("dynamic", 4, 2, 2, 0),
     ]
     with pytest.raises(argparse.ArgumentTypeError, match="MODE one of chain, static, dynamic"):
         benchmark._setting_list("wide:60:3:10")

@@ -154,7 +154,9 @@ def resolve_draft_vocab(
         size = 0
         if not eagle3_vocab and tensor_parallel_size == 1 and (path / draft_vocab.FILE_NAME).is_file():
             try:
-                size = max(draft_vocab.covering_size(path), settings.topk)
+                ranked = len(draft_vocab.read_ranking(path))
+                # A ranking shorter than topk cannot fill a frontier: the whole vocabulary instead.
+                size = max(draft_vocab.covering_size(path), settings.topk) if ranked >= settings.topk else 0
             except ValueError as exc:
                 raise Eagle2ConfigError(
                     f'speculative_config.draft_vocab_size="{AUTO}" reads the head\'s token ranking: {exc} '
