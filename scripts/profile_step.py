@@ -30,7 +30,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_eagle2.bench.config import draft_vocab_arg
+from vllm_eagle2.bench.config import AUTO, draft_vocab_arg
 from vllm_eagle2.profiling import profile
 from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--draft-vocab",
         type=draft_vocab_arg,
-        default="auto",
+        default=AUTO,
         help="eagle2 draft_vocab_size: auto (the default) or a size (0 = the whole vocabulary)",
     )
     p.add_argument("--never", action="store_true", help="eagle2 priced never to draft")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_eagle2 import smollm2
+from vllm_eagle2.config import AUTO
 from vllm_eagle2.tree import TREE_MODES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,6 +110,7 @@ def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="MODE one of chain, static, dynamic"):
         benchmark._setting_list("wide:60:3:10")
     assert set(benchmark.TREE_MODES) == set(TREE_MODES)
+    assert benchmark.AUTO == AUTO  # a copy, so that --help needs no torch
 
 
 def test_benchmark_runs_one_eagle3_head_in_vllms_chain_and_in_eagle2_trees(tmp_path: Path) -> None:

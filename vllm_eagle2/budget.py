@@ -225,14 +225,15 @@ class AcceptanceModel:
     @property
     def p(self) -> np.ndarray:
         """[depth, topk] conditional acceptance probabilities."""
-        w, decay = self.prior_weight, self.prior_decay
-        trials, accepts = self.trials.tolist(), self.accepts.tolist()
-        out = [[0.0] * self.topk for _ in range(self.depth)]
-        for d in range(self.depth):
-            for r in range(self.topk):
-                prior = out[d][r - 1] * decay if r else (out[d - 1][0] if d else self.prior_top1)
-                out[d][r] = (accepts[d][r] + w * prior) / (trials[d][r] + w)
-        return np.array(out)
+        w = self.prior_weight
+        denominator = self.trials + w
+        out = np.empty((self.depth, self.topk))
+        prior = self.prior_top1
+        for d in range(self.depth):  # rank 0, level by level
+            prior = out[d, 0] = (self.accepts[d, 0] + w * prior) / denominator[d, 0]
+        for r in range(1, self.topk):  # then each rank from the one above, all levels at once
+            out[:, r] = (self.accepts[:, r] + w * self.prior_decay * out[:, r - 1]) / denominator[:, r]
+        return out
 
 
 def expected_accepted(p: np.ndarray, depth: int, topk: int, max_nodes: int) -> np.ndarray:
