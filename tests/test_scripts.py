@@ -299,3 +299,34 @@ def test_bench_gpu_dry_run_on_cpu_times_every_piece_and_checks_every_kernel(tmp_
         assert any(p == piece for p, _ in pieces), piece
     assert ("attention", "tree attention") in pieces and ("attention", "dense SDPA") in pieces
     assert out.with_suffix(".md").read_text().count("|") > 20
+
+
+def test_benchmark_spreads_each_prompts_max_tokens_alike_for_every_engine(monkeypatch) -> None:
+    """``--range-ratio``: every engine gets the same per-prompt ``max_tokens``, spread around
+    ``--max-tokens`` (a server's requests do not all stop after the same number of tokens)."""
+    from types import SimpleNamespace
+
+    from vllm_eagle2.bench import engines
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.records import Run
+
+    class FakeLLM:
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.lengths = [p.max_tokens for p in params]
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)]) for n in self.lengths]
+
+    monkeypatch.setattr(engines, "spec_counters", lambda llm: (0.0, 0.0, []))
+    args = parse_args(["--num-prompts", "40", "--max-tokens", "32", "--range-ratio", "0.5"])
+    seen = []
+    for mode in ("nospec", "eagle"):
+        llm = FakeLLM()
+        engines.time_generation(llm, Run(mode, mode, 4, None), [{"prompt_token_ids": [1]}] * 40, args)
+        seen.append(llm.lengths)
+    assert seen[0] == seen[1]
+    assert min(seen[0]) >= 16 and max(seen[0]) <= 48 and len(set(seen[0])) > 10
+    assert engines.output_lengths(5, 32, 0.0, seed=3) == [32] * 5
+    with pytest.raises(SystemExit):
+        parse_args(["--range-ratio", "1.0"])

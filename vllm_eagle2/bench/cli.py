@@ -106,7 +106,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "chat template, as the EAGLE papers evaluate every dataset",
     )
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="mean new tokens per prompt")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.5,
+        help="each prompt's max_tokens is uniform in [max_tokens*(1-r), max_tokens*(1+r)], seeded, the same "
+        "for every engine (as vllm bench's --random-range-ratio); 0 = all alike, which makes requests "
+        "without speculation finish in lockstep and batches their prefills",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
     p.add_argument("--batch-sizes", type=_int_list, default=None, help="sweep, e.g. 1,4,16,64 (overrides)")
@@ -172,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown modes {bad}; choose from {list(ALL_MODES)}")
     if args.num_prompts < 1 or args.max_tokens < 1:
         p.error("--num-prompts and --max-tokens must be >= 1")
+    if not 0.0 <= args.range_ratio < 1.0:
+        p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     return args
 
 

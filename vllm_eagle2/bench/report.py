@@ -22,6 +22,14 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _lengths_note(setup: dict[str, Any]) -> str:
+    """``max 64``, or with ``--range-ratio`` ``max 32-96`` (older results have no ratio: all alike)."""
+    ratio, n = setup.get("range_ratio", 0.0), setup["max_tokens"]
+    if not ratio:
+        return f"max {n}"
+    return f"max {max(1, round(n * (1 - ratio)))}-{round(n * (1 + ratio))} (uniform, seeded)"
+
+
 def _rounds_note(rounds: int, interleave: bool = False) -> str:
     """The report's sentence on ``--rounds`` and ``--interleave`` (empty for one round)."""
     if rounds <= 1:
@@ -105,6 +113,7 @@ def build_results(
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts],
             "max_tokens": args.max_tokens,
+            "range_ratio": args.range_ratio,
             "temperature": args.temperature,
             "dtype": target.dtype,
             "eagle2": {"num_speculative_tokens": m, "depth": d, "topk": k},
@@ -139,7 +148,7 @@ def markdown_report(results: dict[str, Any], sweep: bool) -> list[str]:
     md = [
         f"## {setup['description']}",
         "",
-        f"{setup['num_prompts']} prompts, max {setup['max_tokens']} new tokens, temperature "
+        f"{setup['num_prompts']} prompts, {_lengths_note(setup)} new tokens, temperature "
         f"{setup['temperature']}, {setup['dtype']}, eagle2 m={eagle2['num_speculative_tokens']} "
         f"depth={eagle2['depth']} topk={eagle2['topk']}; vLLM eagle: best of k={setup['eagle_k']} "
         f"by tokens/s. Load average at start / end: {setup['load_average_start'][0]} / "
