@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.config import Eagle2ConfigError
@@ -243,6 +244,25 @@ def test_auto_draft_vocabulary_is_the_whole_one_for_a_head_without_a_ranking(con
 def test_auto_draft_vocabulary_is_the_whole_one_for_an_eagle3_head(models):
     config = engine_config(models["target"], eagle2(models["eagle3_head"], **KNOBS))
     assert config.speculative_config.eagle2.draft_vocab_size == 0
+
+
+def test_draft_vocabulary_scores_with_the_kernel_vllm_gives_its_lm_head():
+    """The cut ``lm_head`` runs on the GEMM vLLM gives an unquantized ``lm_head`` on this platform
+    (oneDNN on CPU), with the same logits as the whole head's at those tokens."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from vllm_eagle2.proposer import _platform_gemm
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Module()
+    lm_head.weight = torch.nn.Parameter(torch.randn(300, 32), requires_grad=False)
+    lm_head.quant_method = UnquantizedEmbeddingMethod()
+    vocab = draft_vocab.DraftVocab(torch.tensor([250, 3, 17]), lm_head.weight.detach(), scale=0.5)
+    vocab.gemm = _platform_gemm(lm_head, vocab.weight)
+    hidden = torch.randn(5, 32)
+    expected = 0.5 * (hidden @ lm_head.weight.T)[:, [3, 17, 250]]
+    torch.testing.assert_close(vocab.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    assert _platform_gemm(torch.nn.Linear(32, 300), vocab.weight) is None  # not vLLM's lm_head
 
 
 def test_draft_model_is_the_eagle2_head_class(config):

@@ -17,7 +17,7 @@ the tokens/s of drafting from the whole vocabulary, see the README's results.)
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +89,18 @@ class DraftVocab:
         self.ids = ids.long().sort().values.to(lm_head_weight.device)
         self.weight = lm_head_weight.index_select(0, self.ids)
         self.scale = scale
+        #: [N, H] -> [N, V'] product with :attr:`weight`; a caller may swap in the platform's own kernel.
+        self.gemm: Callable[[torch.Tensor], torch.Tensor] = self._torch_gemm
+
+    def _torch_gemm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] head outputs -> [N, V'] logits over the subset, in the weight's dtype.
 
         Not normalised: the tree build's vocabulary top-k normalises only its winners.
         """
-        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight)
+        logits = self.gemm(hidden.to(self.weight.dtype).contiguous())
         if self.scale != 1.0:
             logits = logits * self.scale
         return logits

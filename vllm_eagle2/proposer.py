@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2 import attention
@@ -66,6 +67,22 @@ def supports_tree_drafting(sampling_params: Any) -> bool:
         and sp.structured_outputs is None
         and not getattr(sp, "logits_processors", None)
     )
+
+
+def _platform_gemm(lm_head: Any, weight: torch.Tensor) -> Any:
+    """[N, H] -> [N, V'] product with ``weight`` (rows of ``lm_head``'s) by the kernel vLLM gives an
+    unquantized ``lm_head`` on this platform; None for any other ``lm_head``.
+
+    On CPU that is oneDNN with a packed weight: for 8,714 x 576 fp32 on 2 AVX2 cores, with the caches
+    cold as after a target pass, 2.2 ms against torch's 3.9 ms for one row, 2.5 against 8.0 for four.
+    """
+    method = getattr(lm_head, "quant_method", None)
+    if not isinstance(method, UnquantizedEmbeddingMethod):
+        return None
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    method.process_weights_after_loading(layer)
+    return lambda hidden: method.apply(layer, hidden)
 
 
 @dataclasses.dataclass
@@ -155,7 +172,11 @@ class Eagle2Proposer(EagleProposer):
             len(ids),
             ": auto" if self.settings.draft_vocab_auto else "",
         )
-        return DraftVocab(ids, weight.detach(), scale=float(processor.scale))
+        vocab = DraftVocab(ids, weight.detach(), scale=float(processor.scale))
+        gemm = _platform_gemm(self.model.lm_head, vocab.weight)
+        if gemm is not None:
+            vocab.gemm = gemm
+        return vocab
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] head outputs -> [N, V] draft logits (model dtype); V = the draft vocabulary's size.
