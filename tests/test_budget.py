@@ -5,6 +5,8 @@ Pure functions on synthetic costs and acceptance curves; no engine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -198,18 +200,25 @@ def test_step_cost_of_no_drafts_is_a_plain_pass():
 
 
 def exhaustive_plan(
-    batch, *, max_depth, max_topk, max_nodes, acceptance, target, level, overhead, chain_only
+    batch, *, max_depth, max_topk, max_nodes, acceptance, target, level, overhead, chain_only, sent=None
 ):
-    """plan_draft's specification: every shape (k outer, d inner) priced on its own tree."""
+    """plan_draft's specification: every shape (k outer, d inner) priced on its own tree, for the
+    min(n, sent) best of its n nodes."""
     best = DraftPlan(0, 0, 0, 0, batch / (float(target(batch)) + overhead))
     n = np.arange(max_nodes + 1, dtype=np.float64)
+    counts = n if sent is None else np.minimum(n, sent)
     for k in [1] if chain_only else range(1, max_topk + 1):
         for d in range(1, (min(max_depth, max_nodes) if chain_only else max_depth) + 1):
             cost = (
-                target(batch * (1 + n)) + float(level(batch)) + (d - 1) * float(level(batch * k)) + overhead
+                target(batch * (1 + counts))
+                + float(level(batch))
+                + (d - 1) * float(level(batch * k))
+                + overhead
             )
             size = min(max_nodes, k + (d - 1) * k * k)
-            rate = batch * (1 + expected_accepted(acceptance, d, k, size)) / cost[: size + 1]
+            gains = expected_accepted(acceptance, d, k, max_nodes)
+            rate = batch * (1 + np.interp(counts, n, gains)) / cost
+            rate = rate[: size + 1]
             j = size if chain_only else int(np.argmax(rate[1:])) + 1
             if rate[j] > best.rate:
                 best = DraftPlan(d, k, size, j, float(rate[j]))
@@ -231,8 +240,11 @@ def test_plan_is_the_best_shape_of_an_exhaustive_search(chain_only):
             overhead=rng.uniform(0.0, 0.01),
         )
         kw = dict(max_depth=depth, max_topk=topk, max_nodes=max_nodes, acceptance=p, chain_only=chain_only)
+        if rng.random() < 0.5:  # the allocation is expected to send fewer than some plans' nodes
+            kw["sent"] = float(rng.uniform(0.0, max_nodes))
         expected = exhaustive_plan(batch, **kw, **costs)
-        assert plan_draft(batch, **kw, **costs) == expected
+        chosen_plan = plan_draft(batch, **kw, **costs)
+        assert chosen_plan == replace(expected, rate=pytest.approx(expected.rate, rel=1e-12))
         chosen.append(expected.drafts)
     assert 0.2 < np.mean(chosen) < 0.98  # the cases both draft and decline
 
@@ -455,14 +467,16 @@ def test_verifier_width_follows_the_adaptive_budget_counts():
     assert _verify_width(fixed, [3, 0, 1]) == 60
 
 
-def test_a_plan_whose_drafts_are_mostly_not_sent_becomes_no_drafts():
-    from vllm_eagle2.budget import with_gain_share
-
-    # 4 requests, 1.0 expected accepted per request, step 0.05 s against 0.04 s without drafts
-    plan = DraftPlan(2, 2, 4, 4, 4 * 2.0 / 0.05)
-    assert with_gain_share(plan, 4, 1.0, 0.05, 0.04).rate == pytest.approx(plan.rate)
-    assert with_gain_share(plan, 4, 0.5, 0.05, 0.04).drafts  # 4 * 1.5 / 0.05 = 120 > 100
-    assert not with_gain_share(plan, 4, 0.2, 0.05, 0.04).drafts  # 4 * 1.2 / 0.05 = 96 < 100
+def test_plan_prices_a_shape_for_the_drafts_the_allocation_sends():
+    # A draft level costs a tenth of a pass: deep trees pay when all their nodes are verified,
+    # not when the allocation sends one node of them (the levels are paid in full).
+    target, level = linear_curve(4096, 0.010, 0.0001), linear_curve(640, 0.001, 0.0)
+    full = plan(1, target, level)
+    assert full.depth > 1 and full.per_request > 2
+    one = plan(1, target, level, sent=1.0)
+    assert (one.depth, one.topk, one.per_request) == (1, 1, 1)
+    assert one.rate < full.rate
+    assert not plan(1, target, linear_curve(640, 0.003, 0.0), sent=0.05).drafts
 
 
 def test_budget_stops_planning_drafts_the_allocation_does_not_send():
@@ -496,7 +510,21 @@ def test_a_one_node_plan_sent_in_part_of_the_steps_keeps_that_part_of_its_gain()
     # 40% of steps it still pays (1 + 0.4 * 0.79 tokens: 118 tok/s against 99); in 10%, not.
     budget = make_budget(depth=1, topk=1, max_nodes=1)
     assert budget.plan(1).drafts
-    for kept, drafts in ((0.4, True), (0.1, False)):
-        budget._kept[1] = kept
+    for sent, drafts in ((0.4, True), (0.1, False)):
+        budget._sent[1] = sent
         budget._plans.clear()
-        assert budget.plan(1).drafts == drafts, kept
+        assert budget.plan(1).drafts == drafts, sent
+
+
+def test_budget_plans_for_the_drafts_the_allocation_sends_and_tries_more_once_it_sends_all():
+    budget = make_budget()
+    plan = budget.plan(1)
+    assert plan.per_request > 2
+    for _ in range(20):  # the allocation sends one node of each tree
+        budget.count_step(plan, [1])
+    budget._plans.clear()
+    small = budget.plan(1)
+    assert small.depth == 1 and small.per_request <= 2  # sent: 1.06 (6 x 0.8^20 + 1 x (1 - 0.8^20))
+    for _ in range(20):  # and now every node planned: one more might pay
+        budget.count_step(small, [small.per_request])
+    assert budget.summary()["sent_per_request"]["1"] > 1.5

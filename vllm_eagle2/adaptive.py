@@ -40,10 +40,8 @@ from vllm_eagle2.budget import (
     ScaledCurve,
     allocate_nodes,
     draft_seconds,
-    expected_accepted,
     plan_draft,
     step_cost,
-    with_gain_share,
 )
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -68,12 +66,13 @@ REPLAN_DRIFT = 0.15
 OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
-# The share of planned drafts the allocation sends, per batch size: an exponential average at
-# KEPT_RATE per drafting step; each step planned without drafts moves it KEPT_RECOVERY of the way
-# back to 1, so drafting is tried again within a replan or two (per replan, it took 64 steps at
-# batch 1: a sixth of them without drafts, after five unconfident drafts in a row).
-KEPT_RATE = 0.2
-KEPT_RECOVERY = 0.05
+# Drafts per request the allocation sends, per batch size: an exponential average at SENT_RATE
+# per drafting step, of the drafts sent, or of one more where it sent all that were planned (it
+# might have sent more). Each step planned without drafts moves it SENT_RECOVERY of the way back
+# to the upper bound, so drafting is tried again within a replan or two (it took 64 steps at
+# batch 1 once: a sixth of them without drafts, after five unconfident drafts in a row).
+SENT_RATE = 0.2
+SENT_RECOVERY = 0.05
 LOG_INTERVAL_S = 10.0
 
 
@@ -173,7 +172,7 @@ class AdaptiveBudget:
             self._set_linear(self.level, *self.fixed["level"])
             self.overhead = self.fixed["overhead"]
         self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}
-        self._kept: dict[int, float] = {}
+        self._sent: dict[int, float] = {}
         self._step = 0
         self._step_verifies = False  # this step verifies the drafts of the step before
         self._step_drafted = False  # this step sent drafts
@@ -397,23 +396,13 @@ class AdaptiveBudget:
             max_nodes=self.max_nodes,
             acceptance=self.acceptance.p,
             chain_only=self.chain,
+            sent=self._sent.get(batch),
             **costs,
         )
         none = step_cost(NO_DRAFTS, batch, **costs)
-        seconds = step_cost(plan, batch, **costs)
-        share = 1.0
-        if plan.drafts:
-            # The allocation sends the best nodes first: sending a fraction of the planned
-            # nodes keeps the gain of that many best nodes, not that fraction of the gain.
-            # Interpolated, not rounded: a one-node plan sent in 40% of steps keeps 40% of its
-            # gain, not none of it.
-            gains = expected_accepted(self.acceptance.p, plan.depth, plan.topk, plan.per_request)
-            if gains[-1] > 0:
-                kept = self._kept.get(batch, 1.0) * plan.per_request
-                share = float(np.interp(kept, np.arange(len(gains)), gains) / gains[-1])
-        realized = with_gain_share(plan, batch, share, seconds, none)
-        self._plans[batch] = (self._step, realized, seconds if realized.drafts else none, none)
-        return realized
+        seconds = step_cost(plan, batch, **costs) if plan.drafts else none
+        self._plans[batch] = (self._step, plan, seconds, none)
+        return plan
 
     def allocate(
         self, plan: DraftPlan, values: torch.Tensor, depths: torch.Tensor, allowed: torch.Tensor
@@ -433,12 +422,14 @@ class AdaptiveBudget:
         """Metrics of one step: the plan and the drafts sent for each request."""
         total = sum(counts)
         if counts:
-            kept = self._kept.get(len(counts), 1.0)
+            sent = self._sent.get(len(counts), float(self.max_nodes))
             if plan.drafts:
-                sent = min(total / (plan.per_request * len(counts)), 1.0)
-                self._kept[len(counts)] = kept + KEPT_RATE * (sent - kept)
+                seen = total / len(counts)
+                if total >= plan.per_request * len(counts):
+                    seen = min(seen + 1.0, self.max_nodes)  # all sent: more might have been
+                self._sent[len(counts)] = sent + SENT_RATE * (seen - sent)
             else:
-                self._kept[len(counts)] = kept + KEPT_RECOVERY * (1.0 - kept)
+                self._sent[len(counts)] = sent + SENT_RECOVERY * (self.max_nodes - sent)
         self._step_drafted = total > 0
         # Once per step: the device table and its host copy forget alike (the copy, if one landed
         # this step, was taken before this).
@@ -472,7 +463,7 @@ class AdaptiveBudget:
             "between_steps_ms": self.speed * self.between * 1e3,
             "replans": self.replans,
             "speed": round(self.speed, 3),
-            "kept_fraction": {str(b): round(k, 3) for b, k in sorted(self._kept.items())},
+            "sent_per_request": {str(b): round(n, 2) for b, n in sorted(self._sent.items())},
             "acceptance_top1": [round(float(x), 3) for x in self.acceptance.p[:, 0]],
             "prices_ms": self._prices_ms(),
         }

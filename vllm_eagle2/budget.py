@@ -20,7 +20,7 @@ measurements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,7 +37,6 @@ __all__ = [
     "expected_accepted",
     "plan_draft",
     "step_cost",
-    "with_gain_share",
 ]
 
 
@@ -300,6 +299,7 @@ def plan_draft(
     chain_only: bool = False,
     verify: Cost | None = None,
     draft_overhead: float | None = None,
+    sent: float | None = None,
 ) -> DraftPlan:
     """The draft shape and size that maximise the next step's expected tokens per second.
 
@@ -320,12 +320,23 @@ def plan_draft(
             seconds of a draft level by rows.
         overhead / draft_overhead: seconds a step without / with drafts costs besides these
             passes (``draft_overhead`` defaults to ``overhead``).
+        sent: drafts per request that :func:`allocate_nodes` is expected to send at most (None:
+            as many as planned). A plan of n nodes is priced for the ``min(n, sent)`` best it
+            sends (their gain and verification, at a fractional count) and for all of its
+            drafting: the allocation keeps a node only if its own calibrated value pays for it,
+            so a deep or wide shape whose extra nodes seldom do costs its levels and brings
+            little more than a small one.
     """
     verify = target if verify is None else verify
     draft_overhead = overhead if draft_overhead is None else draft_overhead
     none_rate = batch / (float(target(batch)) + overhead)
     topks = np.arange(1, (1 if chain_only else max_topk) + 1)
-    verified = verify(batch * (1.0 + np.arange(max_nodes + 1)))
+    counts = np.arange(max_nodes + 1, dtype=np.float64)
+    if sent is not None:  # n planned, min(n, sent) sent
+        counts = np.minimum(counts, max(float(sent), 0.0))
+    low = np.floor(counts).astype(np.int64)
+    high, above = np.minimum(low + 1, max_nodes), counts - low
+    verified = verify(batch * (1.0 + counts))
     root = float(level(batch))
     expand = level(batch * topks)[:, None]  # [K, 1]
     best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
@@ -345,6 +356,7 @@ def plan_draft(
         merged = np.concatenate([pool, level_values], axis=1)
         pool = -np.sort(-merged, axis=1)[:, :max_nodes]
         gain = np.concatenate([np.zeros((len(topks), 1)), np.cumsum(pool, axis=1)], axis=1)
+        gain = (1.0 - above) * gain[:, low] + above * gain[:, high]  # at the counts sent
         cost = verified + root + (d - 1) * expand + draft_overhead  # [K, N + 1]
         rate = batch * (1 + gain) / cost
         if chain_only:  # a chain keeps all d of its nodes (d <= max_nodes: the loop stops there)
@@ -392,28 +404,6 @@ def draft_seconds(plan: DraftPlan, batch: int, level: Cost) -> float:
     """Predicted seconds of drafting ``plan`` for ``batch`` requests: the root level (with the
     catch-up pass) over ``batch`` rows and ``depth - 1`` expansions over ``batch * topk``."""
     return float(level(batch)) + (plan.depth - 1) * float(level(batch * plan.topk))
-
-
-def with_gain_share(
-    plan: DraftPlan, batch: int, share: float, plan_seconds: float, none_seconds: float
-) -> DraftPlan:
-    """``plan`` re-rated for the ``share`` of its expected gain that the drafts the allocation will
-    send can bring, or no drafts when that rate no longer beats a step without drafts.
-
-    The plan prices acceptance from tree positions; :func:`allocate_nodes` keeps a node only if
-    its own calibrated value pays for it, so it may send fewer nodes than planned (measured: half
-    a node per step for one-node plans at batch 4), while the drafting is paid in full. The
-    caller turns the fraction of planned drafts sent into ``share`` (the best nodes go first, so
-    sending 3 of 4 keeps most of the gain); ``plan_seconds`` is the plan's cost and
-    ``none_seconds`` a step's without drafts.
-    """
-    if not plan.drafts:
-        return plan
-    gain = plan.rate * plan_seconds / batch - 1.0
-    rate = batch * (1.0 + share * gain) / plan_seconds
-    if rate <= batch / none_seconds:
-        return DraftPlan(0, 0, 0, 0, batch / none_seconds)
-    return replace(plan, rate=rate)
 
 
 def allocate_nodes(
