@@ -191,3 +191,10 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             plan += [eagle2_run(mode, head, bs, m, d, k, args.draft_vocab, b) for b in budgets]
     plan += [eagle2_run(tree, head, bs, *size, budget="fixed", sweep=True) for tree, *size in args.sweep]
     return plan
+
+
+def length_range(max_tokens: int, range_ratio: float) -> tuple[int, int]:
+    """The smallest and largest per-prompt ``max_tokens`` of ``--range-ratio``:
+    ``max_tokens * (1 -/+ range_ratio)``, rounded, at least 1."""
+    low = max(1, round(max_tokens * (1 - range_ratio)))
+    return low, max(low, round(max_tokens * (1 + range_ratio)))

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_eagle2.bench import log
-from vllm_eagle2.bench.config import Target, plan_runs
+from vllm_eagle2.bench.config import Target, length_range, plan_runs
 from vllm_eagle2.bench.records import Run, mean_drafts_per_step
 from vllm_eagle2.engine import build_llm, own_metrics, shutdown_llm, spec_counters, use_metrics, warm_up
 
@@ -87,11 +87,9 @@ def output_lengths(num_prompts: int, max_tokens: int, range_ratio: float, seed: 
     steps, no speculation 3.3 s in 4, which was the whole of eagle2's deficit. A server's requests
     do not finish in lockstep either.
     """
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
-    low, high = max(1, round(max_tokens * (1 - range_ratio))), round(max_tokens * (1 + range_ratio))
-    return [rng.randint(low, max(low, high)) for _ in range(num_prompts)]
+    low, high = length_range(max_tokens, range_ratio)
+    return [rng.randint(low, high) for _ in range(num_prompts)]
 
 
 def time_generation(llm: Any, run: Run, prompts: Prompts, args: argparse.Namespace) -> Run:

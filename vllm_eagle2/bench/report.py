@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2.bench import log
-from vllm_eagle2.bench.config import Target
+from vllm_eagle2.bench.config import Target, length_range
 from vllm_eagle2.bench.plot import plot
 from vllm_eagle2.bench.records import Run, result_rows, speedup_text
 from vllm_eagle2.machine import cpu_description, cpu_note
@@ -24,10 +24,11 @@ def load_average() -> list[float]:
 
 def _lengths_note(setup: dict[str, Any]) -> str:
     """``max 64``, or with ``--range-ratio`` ``max 32-96`` (older results have no ratio: all alike)."""
-    ratio, n = setup.get("range_ratio", 0.0), setup["max_tokens"]
+    ratio = setup.get("range_ratio", 0.0)
     if not ratio:
-        return f"max {n}"
-    return f"max {max(1, round(n * (1 - ratio)))}-{round(n * (1 + ratio))} (uniform, seeded)"
+        return f"max {setup['max_tokens']}"
+    low, high = length_range(setup["max_tokens"], ratio)
+    return f"max {low}-{high} (uniform, seeded)"
 
 
 def _rounds_note(rounds: int, interleave: bool = False) -> str:
