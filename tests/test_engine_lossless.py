@@ -224,6 +224,26 @@ def test_greedy_every_tree_mode_equals_no_speculation(models, prompts, reference
     assert tokens_of(outputs) == reference["partial"]
 
 
+def test_chain_drafts_verify_on_vllms_causal_attention_alone(models, prompts, reference):
+    """Drafts on their tree's leading chain need no tree mask: a step of chains publishes no tree
+    batch and moves no KV (every accepted path is already in place)."""
+    from vllm_eagle2 import attention
+    from vllm_eagle2 import runner as tree_runner
+
+    calls = Counter()
+    spec = eagle2(models["noisy"], num_speculative_tokens=3, depth=3, topk=1)
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in [(attention.TreeForward, "publish"), (tree_runner, "_move_accepted_path")]:
+            stock = getattr(owner, name)
+            mp.setattr(
+                owner, name, lambda *a, _stock=stock, _n=name, **k: calls.update([_n]) or _stock(*a, **k)
+            )
+        outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference["partial"]
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert calls == Counter(), calls
+
+
 def test_greedy_with_chunked_prefill_and_prefix_caching(models, prompts, reference):
     # Repeat the prompts so prefix caching hits; a small token budget forces chunked prefill.
     spec = eagle2(models["noisy"], num_speculative_tokens=12, depth=4, topk=3)

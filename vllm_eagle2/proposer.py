@@ -26,6 +26,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -38,7 +39,7 @@ from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
-from vllm_eagle2.tree import build_dynamic_tree
+from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -92,6 +93,10 @@ class TreeStore:
     req_ids: request ids, in the batch order of the proposing step.
     tokens / parents / ranks: [B, N] int64, scores: [B, N] float32 (see
     :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
+    off_chain: [B, M] bool on the host, M <= N: the drafts sent that are off their tree's
+        leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
+        verification needs a tree mask. It came with the drafts' own transfer, so the verifier
+        sizes its tree attention without reading the device.
     """
 
     req_ids: list[str]
@@ -99,6 +104,7 @@ class TreeStore:
     parents: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
+    off_chain: np.ndarray
 
 
 class Eagle2Proposer(EagleProposer):
@@ -341,16 +347,8 @@ class Eagle2Proposer(EagleProposer):
             mode=self.settings.tree,
         )
         tokens = self._token_ids(tree.tokens)
-        self.trees = TreeStore(
-            req_ids=req_ids,
-            tokens=tokens,
-            parents=tree.parents,
-            ranks=tree.ranks,
-            scores=tree.scores,
-        )
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
-        # vLLM wants host lists: one transfer brings the drafts and their counts together.
         n_out = min(num_speculative_tokens, tree.num_nodes)
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
         allowed = expander.fits & torch.tensor(eligible).to(expander.fits.device, non_blocking=True)
@@ -360,8 +358,19 @@ class Eagle2Proposer(EagleProposer):
             budget.drafting_done()
             counts = budget.allocate(plan, tree.scores[:, :n_out], tree.depths[:, :n_out], allowed)
             budget.copy_stats()
-        rows = torch.cat([tokens[:, :n_out], counts.unsqueeze(1)], dim=1).tolist()
-        drafts = [row[: row[-1]] for row in rows]
+        sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
+        off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
+        # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.
+        host = torch.cat([tokens[:, :n_out], counts.unsqueeze(1), off_chain.long()], dim=1).cpu().numpy()
+        self.trees = TreeStore(
+            req_ids=req_ids,
+            tokens=tokens,
+            parents=tree.parents,
+            ranks=tree.ranks,
+            scores=tree.scores,
+            off_chain=host[:, n_out + 1 :].astype(bool),
+        )
+        drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]
         if budget is not None:
             budget.after_sync()
             budget.count_step(plan, [len(d) for d in drafts])

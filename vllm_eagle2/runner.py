@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
@@ -37,6 +38,8 @@ class VerifyStep:
     depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
     kept_kv: the target layers' K/V of the verification forward (its ``TreeForward.kept_kv``):
         vLLM samples in a later call, after the forward's ``tree_batch`` scope has closed.
+    branched: whether any tree branches (host). Without, every accepted path is a prefix of
+        its drafts, already in place: nothing is moved.
     """
 
     tokens: torch.Tensor
@@ -46,6 +49,7 @@ class VerifyStep:
     depths: torch.Tensor
     trees: StoredTrees
     kept_kv: attention.KeptKV
+    branched: bool
 
 
 def _padded_drafts(
@@ -93,26 +97,41 @@ class StoredTrees:
     parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
     known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
     ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
+    off_chain: [B, N] bool on the host, the drafts off their stored tree's leading chain (all
+        False where no tree is stored; drafts whose tokens do not match their tree are verified
+        as a chain, for which a tree mask is exact too).
     """
 
     parents: torch.Tensor
     known: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
+    off_chain: np.ndarray
 
 
-def _stored_trees(drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor) -> StoredTrees:
-    """Each request's drafts as its stored tree, else as a chain."""
+def _stored_trees(
+    drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor, counts: np.ndarray
+) -> StoredTrees:
+    """Each request's drafts as its stored tree, else as a chain. counts: [B] drafts scheduled."""
     batch, width = tokens.shape
     device = tokens.device
     col = torch.arange(width, device=device)
     chain = (col - 1).expand(batch, width)
     store = getattr(drafter, "trees", None)
+    off_chain = np.zeros((batch, width), dtype=bool)
     if store is None or not req_ids:
         zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
-        return StoredTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float())
-    row_of = {rid: i for i, rid in enumerate(store.req_ids)}
-    src = torch.tensor([row_of.get(rid, -1) for rid in req_ids], dtype=torch.long, device=device)
+        return StoredTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float(), off_chain)
+    if store.req_ids == req_ids:  # the usual case: the batch kept its order
+        src_host = np.arange(batch)
+    else:
+        row_of = {rid: i for i, rid in enumerate(store.req_ids)}
+        src_host = np.array([row_of.get(rid, -1) for rid in req_ids], dtype=np.int64)
+    found = src_host >= 0
+    sent = min(width, store.off_chain.shape[1])
+    off_chain[found, :sent] = store.off_chain[src_host[found], :sent]
+    off_chain &= np.arange(width) < counts[:, None]
+    src = torch.from_numpy(src_host).to(device, non_blocking=True)
     take = min(width, store.tokens.shape[1])
 
     def stored(field: torch.Tensor, fill: float) -> torch.Tensor:
@@ -130,27 +149,17 @@ def _stored_trees(drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid:
         known=known,
         ranks=stored(store.ranks, 0),
         scores=stored(store.scores, 0.0),
+        off_chain=off_chain,
     )
-
-
-def _rows_to_recompute(depths: torch.Tensor) -> torch.Tensor:
-    """[B, N + 1] bool: region rows whose causal attention differs from their tree attention.
-
-    Region row j (0 = the root) is ``depths[:, j]`` deep (0 = padding). vLLM's causal kernel lets it
-    see rows 0..j, its tree mask its ancestors and itself: the two agree exactly when it has j
-    ancestors, i.e. depth j + 1 (the root, and every node of a leading chain). Those rows keep the
-    stock kernel's result, which saves work and keeps its rounding: the root's KV, which stays in
-    the cache, is then the one plain decoding writes (bf16, MT-bench, batch 16: eagle2's greedy
-    outputs identical to plain decoding in 51 of 64 answers, 46 when every row was recomputed).
-    """
-    col = torch.arange(depths.shape[1], device=depths.device)
-    return (depths > 0) & (depths != col + 1)
 
 
 def prepare_tree_verification(runner: Any, meta: Any) -> None:
     """Positions and attention masks for the trees of this step (after ``_prepare_inputs``).
 
-    Runs inside ``execute_model``'s ``tree_batch`` scope and publishes the masks there.
+    Runs inside ``execute_model``'s ``tree_batch`` scope and publishes the masks there. Reads
+    nothing back from the device: which drafts need a tree mask is known on the host
+    (:attr:`StoredTrees.off_chain`). A step whose trees are all chains needs no masks, no new
+    positions and no KV moves: vLLM's causal attention verifies it as it is.
 
     Raises:
         RuntimeError: no ``tree_batch`` scope is active.
@@ -161,24 +170,40 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
         return
     device = runner.positions.device
     batch = len(meta.num_draft_tokens)
+    counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
     tokens, valid, n = _padded_drafts(meta, device, _verify_width(runner, meta.num_draft_tokens))
-    trees = _stored_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid)
-    parents = trees.parents
-    row_start = runner.query_start_loc.gpu[:batch].to(device).long()
-    root_pos = runner.positions[row_start]
+    trees = _stored_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
+    width = tokens.shape[1]
+    row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
+    row_start = torch.from_numpy(row_start_host).to(device, non_blocking=True)
+    step = VerifyStep(
+        tokens=tokens,
+        parents=trees.parents,
+        num_drafts=n,
+        row_start=row_start,
+        # Region depths (the root's is 1): node i of a chain is i + 2 deep.
+        depths=torch.where(valid, torch.arange(width, device=device) + 2, 0),
+        trees=trees,
+        kept_kv={},
+        branched=False,
+    )
+    runner._eagle2_step = step
+    spec = np.flatnonzero(trees.off_chain.any(axis=1))  # the requests whose trees branch
+    if spec.size == 0:
+        return
 
     # The region of each request is [root, nodes...]: root = region index 0.
     region_parents = torch.cat(
         [
             torch.full((batch, 1), -1, dtype=torch.long, device=device),
-            torch.where(valid, parents + 1, PAD_PARENT),
+            torch.where(valid, trees.parents + 1, PAD_PARENT),
         ],
         dim=1,
     )
     masks = build_tree_masks(region_parents, check_values=False)  # valid by construction
+    root_pos = runner.positions[row_start]
     # RoPE position of node i is root + depth; its row and KV slot stay root + 1 + i. Written as a
     # delta (0 off the trees): padding entries may alias other requests' rows and must write nothing.
-    width = tokens.shape[1]
     node_rows = (row_start.unsqueeze(1) + 1 + torch.arange(width, device=device)).clamp(
         max=runner.positions.shape[0] - 1
     )
@@ -186,39 +211,35 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     delta = torch.where(valid, want - runner.positions[node_rows], 0)
     runner.positions.index_add_(0, node_rows.flatten(), delta.flatten().to(runner.positions.dtype))
 
-    recompute = _rows_to_recompute(masks.depths)
-    # The one host sync of the glue: how many rows the tree-attention kernels recompute.
-    spec = recompute.any(dim=1).nonzero().squeeze(1)
-    need = recompute[spec]
-    q = need.sum(dim=1)
-    qsl = torch.zeros(spec.numel() + 1, dtype=torch.long, device=device)
-    qsl[1:] = q.cumsum(0)
-    # The rows to recompute first, in region order: query i of a request uses mask row order[i].
-    order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices
+    # Only the drafts off the leading chain are recomputed with their masks. The others keep the
+    # stock kernel's result, which saves work and keeps its rounding: the KV of an accepted chain
+    # is then the one plain decoding writes (bf16, MT-bench, batch 16: eagle2's greedy outputs
+    # identical to plain decoding in 51 of 64 answers, 46 when every row was recomputed). Query i
+    # of a request reads mask row ``region[i]``: its off-chain drafts' region rows, in order.
+    need = trees.off_chain[spec]
+    q = need.sum(axis=1)
+    qsl = np.zeros(spec.size + 1, dtype=np.int64)
+    qsl[1:] = np.cumsum(q)
+    region = 1 + np.argsort(~need, axis=1, kind="stable")[:, : int(q.max())]
+    rows = (row_start_host[spec, None] + region)[np.arange(region.shape[1]) < q[:, None]]
+    spec_t = torch.from_numpy(spec).to(device, non_blocking=True)
     words = masks.packed.shape[-1]
-    mask = masks.packed[spec].gather(1, order.unsqueeze(-1).expand(-1, -1, words))
-    rows = (row_start[spec].unsqueeze(1) + order)[torch.arange(need.shape[1], device=device) < q.unsqueeze(1)]
+    region_t = torch.from_numpy(region).to(device, non_blocking=True)
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
     forward.publish(
         attention.TreeBatch(
-            rows=rows,
-            query_start_loc=qsl,
-            block_table=block_table[spec],
-            context_lens=root_pos[spec],
-            region_lens=n[spec] + 1,
-            mask=mask,
+            rows=torch.from_numpy(rows).to(device, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl).to(device, non_blocking=True),
+            block_table=block_table[spec_t],
+            context_lens=root_pos[spec_t],
+            region_lens=n[spec_t] + 1,
+            mask=masks.packed[spec_t].gather(1, region_t.unsqueeze(-1).expand(-1, -1, words)),
             keep_kv=True,
         )
     )
-    runner._eagle2_step = VerifyStep(
-        tokens=tokens,
-        parents=parents,
-        num_drafts=n,
-        row_start=row_start,
-        depths=masks.depths[:, 1:],
-        trees=trees,
-        kept_kv=forward.kept_kv,
-    )
+    step.depths = masks.depths[:, 1:]
+    step.kept_kv = forward.kept_kv
+    step.branched = True
 
 
 def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
@@ -270,7 +291,8 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
             token_ids=out_tokens.flatten().clamp(min=0),
         )
         logprobs = LogprobsTensors(*logprobs[:3])
-    _move_accepted_path(runner, step, accepted, num_accepted)
+    if step.branched:
+        _move_accepted_path(runner, step, accepted, num_accepted)
     budget = getattr(runner.drafter, "budget", None)
     if budget is not None:
         tree = step.trees

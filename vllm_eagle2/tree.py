@@ -37,6 +37,7 @@ __all__ = [
     "DraftStep",
     "DraftTree",
     "build_dynamic_tree",
+    "off_leading_chain",
     "pool_size",
     "tree_size",
 ]
@@ -85,6 +86,18 @@ class DraftTree:
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+
+def off_leading_chain(depths: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: the nodes off each tree's leading chain.
+
+    depths: [B, N] int64 (:attr:`DraftTree.depths`; 0 = padding, never off the chain). Node j is
+    on the leading chain when its ancestors are exactly nodes 0..j-1, that is when it is j + 1
+    deep (parents precede children). Flattened after the root, such a node's causal attention
+    is exactly its tree attention: only the nodes off the chain need a tree mask.
+    """
+    col = torch.arange(depths.shape[1], device=depths.device)
+    return (depths > 0) & (depths != col + 1)
 
 
 def pool_size(depth: int, topk: int) -> int:
