@@ -446,6 +446,43 @@ def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
             assert budget._costs()[name] < 1.5 * costs[name] + 0.001, (kind, name)
 
 
+def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price(monkeypatch):
+    """The head's catch-up pass over a prompt (in the overhead of a step without drafts, in the
+    root level of a drafting one) is paid whatever the step drafts: it must not price either."""
+    from types import SimpleNamespace
+
+    from vllm_eagle2 import adaptive
+    from vllm_eagle2.budget import NO_DRAFTS
+
+    now = [0.0]
+    monkeypatch.setattr(
+        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
+    )
+    budget = make_budget()
+
+    def step(prompt_tokens: int, drafts: bool) -> None:  # catch-up: 1 ms, 50 ms more with a prompt
+        budget.step_started(4 + prompt_tokens, prompt_tokens)
+        now[0] += 0.010
+        budget.target_done()
+        catch_up = 0.001 + (0.050 if prompt_tokens else 0.0)
+        if drafts:
+            plan = budget.plan(4)
+            budget.level_started(4)
+            now[0] += catch_up
+            budget.drafting_done()
+            budget.count_step(plan, [1] * 4)
+        else:
+            now[0] += catch_up
+            budget.count_step(NO_DRAFTS, [0] * 4)
+        now[0] += 0.001
+
+    for drafts in (False, True):
+        for i in range(40):
+            step(300 if i % 2 else 0, drafts)
+    assert budget.overhead < 0.002 and budget.draft_overhead < 0.002
+    assert budget.level(4) < 0.002
+
+
 def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
     budget = make_budget()
     assert budget.plan(4).drafts

@@ -180,6 +180,7 @@ class AdaptiveBudget:
         self._step_end: float | None = None
         self._step_mark: Any = None
         self._step_tokens = 0
+        self._step_prompt = False  # this step holds prompt tokens (prefill chunks)
         self._step_target = 0.0
         self._step_draft = 0.0
         self._levels: list[tuple[Any, int]] = []
@@ -228,8 +229,9 @@ class AdaptiveBudget:
         shown = [0, len(y) // 2, len(y) - 1]
         return ", ".join(f"{int(curve.knots[i])} tok {y[i] * 1e3:.2f} ms" for i in shown)
 
-    def step_started(self, tokens: int) -> None:
-        """The runner starts a step over ``tokens`` scheduled tokens."""
+    def step_started(self, tokens: int, prompt_tokens: int = 0) -> None:
+        """The runner starts a step over ``tokens`` scheduled tokens, ``prompt_tokens`` of them
+        prompt (prefill chunks), the rest one per decoding request and its drafts."""
         now = time.perf_counter()
         if self._step_host is not None and self.fixed is None:
             self._observe_overheads(now)
@@ -237,6 +239,7 @@ class AdaptiveBudget:
         self._step_host = now
         self._step_mark = self.clock.mark()
         self._step_tokens = tokens
+        self._step_prompt = prompt_tokens > 0
         self._step_target = self._step_draft = 0.0
 
     def _observe_overheads(self, now: float) -> None:
@@ -247,14 +250,19 @@ class AdaptiveBudget:
         seconds, so the budget stopped running that kind and never saw it cheap again (measured
         at batch 4: 32.8 tok/s, then after 30 s idle 24.8 tok/s, for good). So the overheads stop
         at the drafter's end, and the gap rises by at most ``OVERHEAD_RATE`` of itself per step.
+
+        A step with prompt tokens teaches no overhead: the head's catch-up pass over them, which
+        lands there in a step without drafts, is paid alike whatever the step drafts (measured at
+        batch 16: the overhead of a step without drafts learnt at 30-40 ms against 6-8 ms for a
+        drafting one, so not drafting looked dear).
         """
         end = self._step_end if self._step_end is not None and self._step_end >= self._step_host else now
         other = max(end - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
-        if self._step_verifies or self._step_drafted:
+        if not self._step_prompt and (self._step_verifies or self._step_drafted):
             # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
             last = self.overhead if self.draft_overhead is None else self.draft_overhead
             self.draft_overhead = last + OVERHEAD_RATE * (other - last)
-        else:
+        elif not self._step_prompt:
             self.overhead += OVERHEAD_RATE * (other - self.overhead)
         gap = (now - end) / self.speed
         self.between += OVERHEAD_RATE * min(gap - self.between, self.between or (end - self._step_host))
@@ -299,11 +307,13 @@ class AdaptiveBudget:
         if not self._levels:
             return
         self._levels.append((self.clock.mark(), 0))
-        for (start, rows), (end, _) in zip(self._levels, self._levels[1:]):
+        for i, ((start, rows), (end, _)) in enumerate(zip(self._levels, self._levels[1:])):
+            # The root level holds the catch-up pass, over the prompt tokens too: not a level's price.
+            learn = self.fixed is None and not (i == 0 and self._step_prompt)
 
-            def sink(seconds: float, rows: int = rows) -> None:
+            def sink(seconds: float, rows: int = rows, learn: bool = learn) -> None:
                 self._step_draft += seconds
-                if self.fixed is None:
+                if learn:
                     self.level.observe(rows, seconds / self.speed)
 
             self.clock.measure(start, end, sink)

@@ -308,7 +308,10 @@ def _patch_runner() -> None:
         if not _is_eagle2(self):
             return prepare_inputs(self, scheduler_output, *args, **kwargs)
         if self.drafter.budget is not None:
-            self.drafter.budget.step_started(scheduler_output.total_num_scheduled_tokens)
+            total = scheduler_output.total_num_scheduled_tokens
+            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+            prompt = total - len(scheduler_output.num_scheduled_tokens) - drafts
+            self.drafter.budget.step_started(total, prompt)
         if scheduler_output.scheduled_spec_decode_tokens:
             out = prepare_inputs(self, scheduler_output, *args, **kwargs)
         else:
