@@ -258,12 +258,13 @@ class AdaptiveBudget:
         """
         end = self._step_end if self._step_end is not None and self._step_end >= self._step_host else now
         other = max(end - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
-        if not self._step_prompt and (self._step_verifies or self._step_drafted):
-            # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
-            last = self.overhead if self.draft_overhead is None else self.draft_overhead
-            self.draft_overhead = last + OVERHEAD_RATE * (other - last)
-        elif not self._step_prompt:
-            self.overhead += OVERHEAD_RATE * (other - self.overhead)
+        if not self._step_prompt:
+            if self._step_verifies or self._step_drafted:
+                # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
+                last = self.overhead if self.draft_overhead is None else self.draft_overhead
+                self.draft_overhead = last + OVERHEAD_RATE * (other - last)
+            else:
+                self.overhead += OVERHEAD_RATE * (other - self.overhead)
         gap = (now - end) / self.speed
         self.between += OVERHEAD_RATE * min(gap - self.between, self.between or (end - self._step_host))
 

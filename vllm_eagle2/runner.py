@@ -38,8 +38,6 @@ class VerifyStep:
     depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
     kept_kv: the target layers' K/V of the verification forward (its ``TreeForward.kept_kv``):
         vLLM samples in a later call, after the forward's ``tree_batch`` scope has closed.
-    branched: whether any tree branches (host). Without, every accepted path is a prefix of
-        its drafts, already in place: nothing is moved.
     """
 
     tokens: torch.Tensor
@@ -49,7 +47,12 @@ class VerifyStep:
     depths: torch.Tensor
     trees: StoredTrees
     kept_kv: attention.KeptKV
-    branched: bool
+
+    @property
+    def branched(self) -> bool:
+        """Whether any tree branches (host). Without, every accepted path is a prefix of its
+        drafts, already in place: nothing is moved."""
+        return bool(self.trees.off_chain.any())
 
 
 def _padded_drafts(
@@ -185,7 +188,6 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
         depths=torch.where(valid, torch.arange(width, device=device) + 2, 0),
         trees=trees,
         kept_kv={},
-        branched=False,
     )
     runner._eagle2_step = step
     spec = np.flatnonzero(trees.off_chain.any(axis=1))  # the requests whose trees branch
@@ -239,7 +241,6 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     )
     step.depths = masks.depths[:, 1:]
     step.kept_kv = forward.kept_kv
-    step.branched = True
 
 
 def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
