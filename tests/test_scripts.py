@@ -318,6 +318,9 @@ def test_benchmark_spreads_each_prompts_max_tokens_alike_for_every_engine(monkey
             self.lengths = [p.max_tokens for p in params]
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)]) for n in self.lengths]
 
+        def reset_prefix_cache(self) -> bool:
+            return True
+
     monkeypatch.setattr(engines, "spec_counters", lambda llm: (0.0, 0.0, []))
     args = parse_args(["--num-prompts", "40", "--max-tokens", "32", "--range-ratio", "0.5"])
     seen = []
@@ -330,3 +333,36 @@ def test_benchmark_spreads_each_prompts_max_tokens_alike_for_every_engine(monkey
     assert engines.output_lengths(5, 32, 0.0, seed=3) == [32] * 5
     with pytest.raises(SystemExit):
         parse_args(["--range-ratio", "1.0"])
+
+
+def test_benchmark_times_every_pass_from_an_empty_prefix_cache(monkeypatch) -> None:
+    """A timed pass must prefill its prompts: earlier passes over the same prompts left their
+    blocks in the cache, and vLLM matches an EAGLE-type engine's prompts one block shorter."""
+    from types import SimpleNamespace
+
+    from vllm_eagle2.bench import engines
+    from vllm_eagle2.bench.cli import parse_args
+    from vllm_eagle2.bench.records import Run
+
+    class FakeLLM:
+        def __init__(self, resets: bool) -> None:
+            self.events: list[str] = []
+            self.resets = resets
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.events.append("generate")
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0])]) for _ in params]
+
+        def reset_prefix_cache(self) -> bool:
+            self.events.append("reset")
+            return self.resets
+
+    monkeypatch.setattr(engines, "spec_counters", lambda llm: (0.0, 0.0, []))
+    args = parse_args(["--num-prompts", "2", "--repeats", "3"])
+    llm = FakeLLM(resets=True)
+    engines.time_generation(llm, Run("nospec", "nospec", 1, None), [{"prompt_token_ids": [1]}] * 2, args)
+    assert llm.events == ["reset", "generate"] * 3
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engines.time_generation(
+            FakeLLM(resets=False), Run("nospec", "nospec", 1, None), [{"prompt_token_ids": [1]}] * 2, args
+        )
