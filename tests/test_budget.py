@@ -413,6 +413,36 @@ def test_a_price_not_run_follows_the_machine_speed():
     assert budget._costs()["verify"](12) == pytest.approx(1.5 * verify_before, rel=0.1)
 
 
+def test_verifying_steps_dearer_than_calibrated_leave_a_plain_step_priced_as_run():
+    budget = make_budget()
+    plain_before, verify_seconds = budget._costs()["target"](16), 2 * float(budget.verify(24))
+    for _ in range(40):  # verification costs twice its calibration; no plain step runs meanwhile
+        budget.observe_target(24, verify_seconds, verifies=True)
+    costs = budget._costs()
+    assert costs["verify"](24) == pytest.approx(verify_seconds, rel=0.05)
+    assert costs["target"](16) == pytest.approx(plain_before, rel=0.02)
+
+
+def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm_eagle2 import adaptive
+    from vllm_eagle2.budget import NO_DRAFTS
+
+    now = [0.0]
+    monkeypatch.setattr(
+        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
+    )
+    budget = make_budget()
+    before = budget._costs()["target"](np.array([4.0, 256.0]))
+    for _ in range(20):  # a prompt chunk of 252 tokens beside 4 decoding requests, priced 10x
+        budget.step_started(256, 252)
+        now[0] += 10 * float(budget.target(256))
+        budget.target_done()
+        budget.count_step(NO_DRAFTS, [0] * 4)
+    assert budget._costs()["target"](np.array([4.0, 256.0])) == pytest.approx(before)
+
+
 def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
     from types import SimpleNamespace
 

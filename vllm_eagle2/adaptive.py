@@ -273,10 +273,13 @@ class AdaptiveBudget:
         if self._step_mark is None:
             return
         tokens, verifies = self._step_tokens, self._step_verifies
+        # A prompt chunk's pass is not the decoding pass the plans price (hundreds of rows, long
+        # attention): learnt as one, it moved the machine's speed by up to 1.6x (batch 16).
+        learn = self.fixed is None and not self._step_prompt
 
         def sink(seconds: float) -> None:
             self._step_target = seconds
-            if self.fixed is None:
+            if learn:
                 self.observe_target(tokens, seconds, verifies=verifies)
 
         self.clock.measure(self._step_mark, self.clock.mark(), sink)
@@ -285,16 +288,20 @@ class AdaptiveBudget:
     def observe_target(self, tokens: int, seconds: float, *, verifies: bool) -> None:
         """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts).
 
-        The error moves the machine's ``speed`` by ``SPEED_RATE`` (the ratio clipped to
-        [0.5, 2]), and the rest of it the curve of that kind of pass (a running mean,
-        :meth:`CostCurve.observe`). A shared machine speeds up and slows down for every pass
-        alike; were that learnt per curve, a curve the planner stopped running (verification
-        while no drafts pay, plain passes while drafting) would keep the price of the moment it
-        was last run. Through ``speed`` every price follows the passes the engine does run.
+        A plain pass's error moves the machine's ``speed`` by ``SPEED_RATE`` (the ratio clipped
+        to [0.5, 2]); the rest of it, and all of a verifying pass's, moves the curve of that kind
+        of pass (a running mean, :meth:`CostCurve.observe`). A shared machine speeds up and
+        slows down for every pass alike; were that learnt per curve only, the verification
+        curve, which the planner stops running while no drafts pay, would keep the price of
+        the moment it was last run. Through ``speed`` it follows the plain passes. A verifying
+        pass does not move ``speed``: what it costs beyond its calibration is mostly
+        verification's own price, and taken as the machine's it raised the price of a step
+        without drafts, which was then not run to correct it (measured at batch 16: priced at
+        190-200 ms against 120-140 ms run, so drafting looked to pay where it lost).
         """
         curve = self.verify if verifies else self.target
         predicted = self.speed * float(curve(tokens))
-        if predicted > 0:
+        if predicted > 0 and not verifies:
             ratio = min(max(seconds / predicted, 0.5), 2.0)
             self.speed *= 1.0 + SPEED_RATE * (ratio - 1.0)
         curve.observe(tokens, seconds / self.speed)
