@@ -423,6 +423,17 @@ def test_verifying_steps_dearer_than_calibrated_leave_a_plain_step_priced_as_run
     assert costs["target"](16) == pytest.approx(plain_before, rel=0.02)
 
 
+def test_a_tree_size_not_run_follows_the_drafting_passes_that_are():
+    budget = make_budget()
+    for _ in range(20):
+        budget.observe_target(4, 0.03, verifies=True)
+        budget.observe_target(2, 0.02, verifies=True)
+    before = budget._costs()["verify"](4)
+    for _ in range(20):  # only 2-token verification runs for a while, 1.5x slower
+        budget.observe_target(2, 0.03, verifies=True)
+    assert budget._costs()["verify"](4) == pytest.approx(1.5 * before, rel=0.15)
+
+
 def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
     from types import SimpleNamespace
 

@@ -155,9 +155,11 @@ class AdaptiveBudget:
         self.overhead = 0.0
         self.draft_overhead: float | None = None  # None: not measured yet, ``overhead`` stands in
         self.between = 0.0
-        # The machine's speed: every price is ``speed`` times its curve (or overhead), which learn
-        # the cost of each size at speed 1. See observe_target.
+        # The machine's speed: every price is a speed times its curve (or overhead), which learn
+        # the cost of each size at speed 1; ``speed`` for a step without drafts, ``drafting_speed``
+        # for a drafting one's passes and overhead. See observe_target.
         self.speed = 1.0
+        self.drafting_speed = 1.0
         self.acceptance = AcceptanceModel(depth, topk)
         # [depth, 2 * topk + 2]: trials | accepts per (depth, rank), then per depth the summed
         # exp(value) of verified nodes and their accepted count.
@@ -257,14 +259,15 @@ class AdaptiveBudget:
         drafting one, so not drafting looked dear).
         """
         end = self._step_end if self._step_end is not None and self._step_end >= self._step_host else now
-        other = max(end - self._step_host - self._step_target - self._step_draft, 0.0) / self.speed
+        other = max(end - self._step_host - self._step_target - self._step_draft, 0.0)
         if not self._step_prompt:
             if self._step_verifies or self._step_drafted:
                 # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
+                other /= self.drafting_speed
                 last = self.overhead if self.draft_overhead is None else self.draft_overhead
                 self.draft_overhead = last + OVERHEAD_RATE * (other - last)
             else:
-                self.overhead += OVERHEAD_RATE * (other - self.overhead)
+                self.overhead += OVERHEAD_RATE * (other / self.speed - self.overhead)
         gap = (now - end) / self.speed
         self.between += OVERHEAD_RATE * min(gap - self.between, self.between or (end - self._step_host))
 
@@ -288,23 +291,28 @@ class AdaptiveBudget:
     def observe_target(self, tokens: int, seconds: float, *, verifies: bool) -> None:
         """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts).
 
-        A plain pass's error moves the machine's ``speed`` by ``SPEED_RATE`` (the ratio clipped
-        to [0.5, 2]); the rest of it, and all of a verifying pass's, moves the curve of that kind
-        of pass (a running mean, :meth:`CostCurve.observe`). A shared machine speeds up and
-        slows down for every pass alike; were that learnt per curve only, the verification
-        curve, which the planner stops running while no drafts pay, would keep the price of
-        the moment it was last run. Through ``speed`` it follows the plain passes. A verifying
-        pass does not move ``speed``: what it costs beyond its calibration is mostly
-        verification's own price, and taken as the machine's it raised the price of a step
-        without drafts, which was then not run to correct it (measured at batch 16: priced at
-        190-200 ms against 120-140 ms run, so drafting looked to pay where it lost).
+        The pass's error moves a speed by ``SPEED_RATE`` (the ratio clipped to [0.5, 2]), and
+        the rest of it the curve of that kind of pass (a running mean, :meth:`CostCurve.observe`).
+        A shared machine speeds up and slows down for every pass alike; were that learnt per
+        curve only, a price the planner stopped running (verification while no drafts pay, one
+        size of tree while another is drafted) would keep the price of the moment it was last
+        run. A plain pass moves both speeds: the drafting prices follow the machine while no
+        drafts pay. A verifying pass moves only ``drafting_speed``: what it costs beyond its
+        calibration is partly verification's own price, and taken as the machine's it raised
+        the price of a step without drafts, which was then not run to correct it (measured at
+        batch 16: priced at 190-200 ms against 120-140 ms run, so drafting looked to pay where
+        it lost).
         """
         curve = self.verify if verifies else self.target
-        predicted = self.speed * float(curve(tokens))
-        if predicted > 0 and not verifies:
+        speed = self.drafting_speed if verifies else self.speed
+        predicted = speed * float(curve(tokens))
+        if predicted > 0:
             ratio = min(max(seconds / predicted, 0.5), 2.0)
-            self.speed *= 1.0 + SPEED_RATE * (ratio - 1.0)
-        curve.observe(tokens, seconds / self.speed)
+            change = 1.0 + SPEED_RATE * (ratio - 1.0)
+            self.drafting_speed *= change
+            if not verifies:
+                self.speed *= change
+        curve.observe(tokens, seconds / (self.drafting_speed if verifies else self.speed))
 
     def level_started(self, rows: int) -> None:
         """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
@@ -322,7 +330,7 @@ class AdaptiveBudget:
             def sink(seconds: float, rows: int = rows, learn: bool = learn) -> None:
                 self._step_draft += seconds
                 if learn:
-                    self.level.observe(rows, seconds / self.speed)
+                    self.level.observe(rows, seconds / self.drafting_speed)
 
             self.clock.measure(start, end, sink)
         self._levels = []
@@ -379,14 +387,21 @@ class AdaptiveBudget:
     # -- decisions -----------------------------------------------------------------------------
     def _costs(self) -> dict[str, Any]:
         """The cost model as :func:`plan_draft` and :func:`step_cost` take it."""
-        speed = self.speed
-        draft_overhead = self.overhead if self.draft_overhead is None else self.draft_overhead
+        speed, drafting = self.speed, self.drafting_speed
+        if self.draft_overhead is None:
+            draft_overhead = speed * self.overhead
+        else:
+            draft_overhead = drafting * self.draft_overhead
+        if self.verify.observed:
+            verify = ScaledCurve(self.verify, drafting)
+        else:
+            verify = ScaledCurve(self.target, speed)
         return {
             "target": ScaledCurve(self.target, speed),
-            "verify": ScaledCurve(self.verify if self.verify.observed else self.target, speed),
-            "level": ScaledCurve(self.level, speed),
+            "verify": verify,
+            "level": ScaledCurve(self.level, drafting),
             "overhead": speed * (self.overhead + self.between),
-            "draft_overhead": speed * (draft_overhead + self.between),
+            "draft_overhead": draft_overhead + speed * self.between,
         }
 
     def plan(self, batch: int) -> DraftPlan:
@@ -468,7 +483,9 @@ class AdaptiveBudget:
         """Counters since start: steps, steps without drafts, drafts per step and per request
         (histograms, keyed by count), draft shapes planned (``d{depth}k{topk}``; ``d0k0`` = none)."""
         total = sum(n * c for n, c in self.nodes_per_step.items())
-        draft_overhead = None if self.draft_overhead is None else self.speed * self.draft_overhead * 1e3
+        draft_overhead = self.draft_overhead
+        if draft_overhead is not None:
+            draft_overhead *= self.drafting_speed * 1e3
         return {
             "steps": self.steps,
             "steps_without_drafts": self.steps_without_drafts,
@@ -481,6 +498,7 @@ class AdaptiveBudget:
             "between_steps_ms": self.speed * self.between * 1e3,
             "replans": self.replans,
             "speed": round(self.speed, 3),
+            "drafting_speed": round(self.drafting_speed, 3),
             "sent_per_request": {str(b): round(n, 2) for b, n in sorted(self._sent.items())},
             "acceptance_top1": [round(float(x), 3) for x in self.acceptance.p[:, 0]],
             "prices_ms": self._prices_ms(),
