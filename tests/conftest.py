@@ -55,6 +55,7 @@ def run_llm(
                 metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
             if spec is not None and spec.get("method") == "eagle2":
                 metrics["eagle2_budget"] = llm.collective_rpc("eagle2_budget_summary")[0]
+                metrics["eagle2"] = llm.collective_rpc("eagle2_stats")[0]
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm

@@ -123,10 +123,34 @@ def test_layers_see_the_batch_and_keep_kv_only_inside_the_scope(monkeypatch: pyt
     kept = forward.kept_kv
     assert list(kept) == [id(layer)]
     forward_pass()  # after the scope: causal again, the kept K/V of the finished forward untouched
-    assert tree_calls == [batch] and kept[id(layer)][1] is key
+    assert tree_calls == [batch] and torch.equal(kept[id(layer)][1], key[batch.rows])
 
     impl.writes.clear()
-    attention.move_kv(kept, {"target"}, {"target": layer}, torch.tensor([2]), torch.tensor([7]))
+    attention.move_kv(kept, {"target"}, {"target": layer}, torch.tensor([0]), torch.tensor([7]))
     ((moved, slots),) = impl.writes
-    assert torch.equal(moved, key[[2]]) and slots.tolist() == [7]
+    assert torch.equal(moved, key[batch.rows]) and slots.tolist() == [7]
     assert kept == {}
+
+
+def test_kept_kv_is_a_copy_that_outlives_the_buffers_of_the_forward():
+    """In compiled mode the K/V handed to the cache writer are buffers that later pieces of the
+    forward reuse; what the verifier moves afterwards must be what the writer wrote."""
+    impl = FlashAttentionImplFake()
+    layer = SimpleNamespace(impl=impl, kv_cache=torch.zeros(1))
+    attention.wrap_attention_layers({"target": layer})
+    key = torch.arange(6.0).view(3, 1, 2)
+    batch = _batch(keep_kv=True)
+    with attention.tree_batch(batch) as forward:
+        impl.do_kv_cache_update(layer, key, key, layer.kv_cache, torch.arange(3))
+    written = impl.writes[-1][0]
+    key.fill_(-1.0)  # the buffer reused by a later piece
+    _, kept_key, kept_value = forward.kept_kv[id(layer)]
+    assert torch.equal(kept_key, written[batch.rows]) and torch.equal(kept_value, written[batch.rows])
+
+
+def test_moving_kv_for_a_layer_that_kept_none_fails_loudly():
+    impl = FlashAttentionImplFake()
+    layer = SimpleNamespace(impl=impl, kv_cache=torch.zeros(1))
+    attention.wrap_attention_layers({"target": layer})
+    with pytest.raises(RuntimeError, match="kept no K/V for 1 target attention layers"):
+        attention.move_kv({}, {"target"}, {"target": layer}, torch.tensor([0]), torch.tensor([7]))

@@ -17,9 +17,13 @@ batch can leak into a later forward (a draft level, the drafter's catch-up pass,
   ``with tree_batch():`` and :func:`vllm_eagle2.runner.prepare_tree_verification` publishes
   into it (:func:`active_tree_forward` raises outside one).
 
-The wrapper also keeps the fresh K/V rows of a verification forward (``TreeForward.kept_kv``),
-so that the KV of accepted tree nodes can be moved into place afterwards, in vLLM's separate
-``sample_tokens`` call, with the backend's own writer (:func:`move_kv`).
+The wrapper also keeps a copy of the tree rows' fresh K/V in a verification forward
+(``TreeForward.kept_kv``), so that the KV of accepted tree nodes can be moved into place
+afterwards, in vLLM's separate ``sample_tokens`` call, with the backend's own writer
+(:func:`move_kv`). A copy, not the tensors handed to the cache writer: in vLLM's compiled mode
+those are buffers of a compiled piece (or of a CUDA graph's pool) that the pieces after it reuse,
+so by the time of the move they held other data (the greedy outputs of eagle2's trees differed
+from plain decoding in compiled mode, 4 of 8 tiny-model prompts).
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ class TreeBatch:
     mask: [R, max_q, W] int32, packed visibility of region tokens per query: row i is the
         i-th query of the request, whichever region row it is (the verifier recomputes only
         the rows whose causal result is wrong).
-    keep_kv: keep this forward's fresh K/V per layer (``TreeForward.kept_kv``) for :func:`move_kv`.
+    keep_kv: keep a copy of the fresh K/V of ``rows`` per layer (``TreeForward.kept_kv``) for
+        :func:`move_kv`.
     plan_cache: handed to every layer's :func:`paged_tree_attention` call, which keeps the
         index work that all layers of this forward share there (a new batch, a new cache).
     """
@@ -64,7 +69,8 @@ class TreeBatch:
     plan_cache: dict = field(default_factory=dict)
 
 
-#: Kept K/V of one forward, per layer (by id): ``(layer, key [T, Hkv, D], value [T, Hkv, D])``.
+#: Kept K/V of one forward, per layer (by id): ``(layer, key [Q, Hkv, D], value [Q, Hkv, D])``,
+#: copies of the forward's rows ``TreeBatch.rows`` (row j of the copy is ``rows[j]``).
 KeptKV = dict[int, tuple[Any, torch.Tensor, torch.Tensor]]
 
 
@@ -74,7 +80,7 @@ class TreeForward:
 
     batch: the tree queries, None = plain causal attention (all layers); set at entry to
         :func:`tree_batch` or once by :meth:`publish`.
-    kept_kv: with ``batch.keep_kv``, each layer's fresh K/V rows of this forward, for
+    kept_kv: with ``batch.keep_kv``, a copy of each layer's fresh K/V of the tree rows, for
         :func:`move_kv`. The dict outlives the scope (the verifier keeps it on its step); the
         layers stop adding to it when the scope closes.
     """
@@ -218,7 +224,8 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
             _stock(layer, key, value, kv_cache, slot_mapping)
             forward = _active
             if forward is not None and forward.batch is not None and forward.batch.keep_kv:
-                forward.kept_kv[id(layer)] = (layer, key, value)
+                rows = forward.batch.rows  # a gather: a copy that no later piece can overwrite
+                forward.kept_kv[id(layer)] = (layer, key[rows], value[rows])
 
         impl.forward = forward
         if stock_update is not None:
@@ -230,22 +237,30 @@ def move_kv(
     kept: KeptKV,
     layer_names: set[str],
     layers: dict[str, Any],
-    src_rows: torch.Tensor,
+    src: torch.Tensor,
     dst_slots: torch.Tensor,
 ) -> None:
-    """Rewrite the kept K/V rows ``src_rows`` [K] into cache slots ``dst_slots`` [K].
+    """Write kept K/V rows ``src`` [K] (indices into the kept copies) to cache slots ``dst_slots`` [K].
 
     ``kept``: a finished forward's ``TreeForward.kept_kv``, emptied here. Only for the layers
     named (the target's); uses each backend's own cache writer, so no layout knowledge is
-    needed here.
+    needed here. A slot of -1 writes nothing (vLLM's writers skip padding slots).
+
+    Raises:
+        RuntimeError: a named layer kept nothing: its cache writer ran where the wrapper does
+            not (inside a compiled graph), and the accepted nodes' KV would be left unmoved.
     """
-    if src_rows.numel() == 0:
+    if src.numel() == 0:
         return
+    missing = sorted(name for name in layer_names if id(layers[name]) not in kept)
+    if missing:
+        raise RuntimeError(
+            f"eagle2: the verification forward kept no K/V for {len(missing)} target attention "
+            f"layers ({missing[0]}, ...): their KV-cache update ran inside a compiled graph, where "
+            "eagle2 cannot see it. Keep vllm::unified_kv_cache_update in compilation_config.splitting_ops."
+        )
     for name in layer_names:
         layer = layers[name]
-        entry = kept.get(id(layer))
-        if entry is None:
-            continue
-        _, key, value = entry
-        layer.impl.do_kv_cache_update(layer, key[src_rows], value[src_rows], layer.kv_cache, dst_slots)
+        _, key, value = kept[id(layer)]
+        layer.impl.do_kv_cache_update(layer, key[src], value[src], layer.kv_cache, dst_slots)
     kept.clear()

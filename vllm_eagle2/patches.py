@@ -405,6 +405,7 @@ def _patch_workers() -> None:
 
         cls.compile_or_warm_up_model = compile_or_warm_up_model
         cls.eagle2_budget_summary = _budget_summary
+        cls.eagle2_stats = _verify_stats
 
 
 def _patch_engine_core() -> None:
@@ -439,6 +440,14 @@ def _budget_summary(worker: Any) -> dict[str, Any] | None:
     """
     budget = getattr(getattr(worker.model_runner, "drafter", None), "budget", None)
     return None if budget is None else budget.summary()
+
+
+def _verify_stats(worker: Any) -> dict[str, int] | None:
+    """What the tree verification exercised, for ``LLM.collective_rpc("eagle2_stats")``:
+    :class:`vllm_eagle2.runner.VerifyCounters`. None when the engine does not run eagle2."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    counters = getattr(drafter, "counters", None)
+    return None if counters is None else counters.summary()
 
 
 def _fix_every_engine() -> bool:

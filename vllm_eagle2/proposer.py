@@ -39,6 +39,7 @@ from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
+from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -145,6 +146,7 @@ class Eagle2Proposer(EagleProposer):
             depth=s.depth, topk=s.topk, num_tokens=s.num_tokens, per_request=s.nodes_per_step, rate=0.0
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
+        self.counters = VerifyCounters(device)
 
     # -- model ---------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -488,14 +490,21 @@ class _TreeExpander:
             region_lens=torch.full_like(self.start, region_len),
             mask=pack_tree_mask(visible),
         )
+        # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
+        # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
+        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise).
+        p = self.p
+        p.input_ids[:num_tokens] = p._token_ids(tokens).flatten()
+        p.positions[:num_tokens] = positions.flatten()
+        p.hidden_states[:num_tokens] = parent_hidden.flatten(0, 1)
         with attention.tree_batch(level_batch):
-            last_hidden, hidden = self.p._run_head(
+            last_hidden, hidden = p._run_head(
                 cad,
                 num_tokens,
                 first_pass=False,
-                input_ids=self.p._token_ids(tokens).flatten(),
-                positions=positions.flatten(),
-                hidden_states=parent_hidden.flatten(0, 1),
+                input_ids=p.input_ids[:num_tokens],
+                positions=p.positions[:num_tokens],
+                hidden_states=p.hidden_states[:num_tokens],
             )
         self.parent_hidden = hidden.view(batch, k, -1)
         return self.p._draft_logits(last_hidden).view(batch, k, -1)

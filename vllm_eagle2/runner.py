@@ -38,6 +38,8 @@ class VerifyStep:
     depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
     kept_kv: the target layers' K/V of the verification forward (its ``TreeForward.kept_kv``):
         vLLM samples in a later call, after the forward's ``tree_batch`` scope has closed.
+    kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
+        on its tree's leading chain, whose K/V is already where an accepted path needs it).
     """
 
     tokens: torch.Tensor
@@ -47,6 +49,7 @@ class VerifyStep:
     depths: torch.Tensor
     trees: StoredTrees
     kept_kv: attention.KeptKV
+    kept_row: torch.Tensor | None = None
 
     @property
     def branched(self) -> bool:
@@ -228,6 +231,8 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     words = masks.packed.shape[-1]
     region_t = torch.from_numpy(region).to(device, non_blocking=True)
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
+    kept_row = np.full((batch, width), -1, dtype=np.int64)
+    kept_row[np.repeat(spec, q), (region - 1)[np.arange(region.shape[1]) < q[:, None]]] = np.arange(rows.size)
     forward.publish(
         attention.TreeBatch(
             rows=torch.from_numpy(rows).to(device, non_blocking=True),
@@ -241,6 +246,8 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     )
     step.depths = masks.depths[:, 1:]
     step.kept_kv = forward.kept_kv
+    step.kept_row = torch.from_numpy(kept_row).to(device, non_blocking=True)
+    runner.drafter.counters.count_tree_rows(spec.size, rows.size)
 
 
 def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
@@ -316,21 +323,58 @@ def _move_accepted_path(
     root = step.row_start.unsqueeze(1)
     dst = torch.where(on_path, root + 1 + k, root)
     src = torch.where(on_path, root + 1 + accepted, root)
+    # Only an off-chain node lands away from its own row; its K/V is in the kept copies.
+    kept = step.kept_row.gather(1, accepted.clamp(min=0))
+    moved = on_path & (accepted != k)
+    runner.drafter.counters.count_kv_moves(moved)
+    slots = runner.input_batch.block_table[0].slot_mapping.gpu[dst].long()
     if accepted.is_cuda:
-        # Fixed shape, no sync: every (request, depth) pair is written, most of them no-ops.
+        # Fixed shape, no sync: every (request, depth) pair is written; a no-op writes to slot -1,
+        # which the cache writers skip.
+        kv_src, kv_slots = kept.clamp(min=0).flatten(), torch.where(moved, slots, -1).flatten()
         src, dst = src.flatten(), dst.flatten()
     else:
         # On the CPU a compaction costs no device sync and spares the cache writes of the no-ops.
-        moved = src != dst
+        kv_src, kv_slots = kept[moved], slots[moved]
         src, dst = src[moved], dst[moved]
         if src.numel() == 0:
             return
-    slots = runner.input_batch.block_table[0].slot_mapping.gpu
     drafter = runner.drafter
     layers = runner.vllm_config.compilation_config.static_forward_context
-    attention.move_kv(step.kept_kv, drafter.target_attn_layer_names, layers, src, slots[dst].long())
+    attention.move_kv(step.kept_kv, drafter.target_attn_layer_names, layers, kv_src, kv_slots)
     # The catch-up pass of the drafter reads these rows as the accepted chain.
     for hidden in runner._eagle2_hidden_states or ():
         hidden[dst] = hidden[src]
     runner.input_ids.gpu[dst] = runner.input_ids.gpu[src]
     runner.positions[dst] = runner.positions[src]
+
+
+@dataclass
+class VerifyCounters:
+    """What an engine's tree verification exercised (``LLM.collective_rpc("eagle2_stats")``).
+
+    Host counts, but for ``kv_moves`` ([1] int64 on the device, read only by :meth:`summary`, so
+    that counting costs the step no sync).
+    """
+
+    device: torch.device
+    branched_steps: int = 0  # steps with at least one branching tree
+    tree_rows: int = 0  # draft rows recomputed with their tree mask
+    kv_moves: torch.Tensor | None = None  # accepted off-chain nodes whose K/V was moved
+
+    def __post_init__(self) -> None:
+        self.kv_moves = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def count_tree_rows(self, requests: int, rows: int) -> None:
+        self.branched_steps += requests > 0
+        self.tree_rows += rows
+
+    def count_kv_moves(self, moved: torch.Tensor) -> None:
+        self.kv_moves += moved.sum()
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "branched_steps": self.branched_steps,
+            "tree_rows": self.tree_rows,
+            "kv_moves": int(self.kv_moves.item()),
+        }
