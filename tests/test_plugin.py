@@ -197,6 +197,26 @@ def test_loading_the_entry_point_registers_eagle2(fresh_load):
     assert fresh_load["after"] is True
 
 
+def test_registering_on_a_cuda_platform_imports_nothing_of_vllms_cpu_worker():
+    """vLLM's CPU worker module swaps torch.cuda's Event and Stream (and pinning, and the memory
+    query) for stand-ins process-wide: on a GPU worker that sized the KV cache from host RAM."""
+    proc = run_python(
+        """
+import json, sys, torch
+from vllm.platforms import current_platform
+type(current_platform).is_cpu = lambda self: False  # as on a CUDA machine
+import vllm_eagle2
+vllm_eagle2.register()
+from vllm_eagle2 import patches
+cpu = sorted(m for m in sys.modules if m.startswith(("vllm.v1.worker.cpu", "vllm.v1.attention.backends.cpu")))
+print(json.dumps({"applied": patches._state["applied"], "cpu_modules": cpu,
+                  "event": torch.cuda.Event.__name__}))
+"""
+    )
+    out = last_json_line(proc)
+    assert out == {"applied": True, "cpu_modules": [], "event": "Event"}, out
+
+
 # -- a valid config ----------------------------------------------------------------------------
 
 

@@ -34,11 +34,12 @@ What is patched (vLLM 0.32, file:function):
   back with the step's sampled tokens instead of in a third call to the worker per step
   (``take_draft_token_ids``); the scheduler takes them at the end of ``update_from_output``,
   where vLLM's ``post_step`` would have, before the next step is scheduled.
-* ``v1/worker/gpu_worker.py`` Worker and ``v1/worker/cpu_worker.py`` CPUWorker
-  ``compile_or_warm_up_model``: with eagle2's adaptive budget, after the warm-up, the
+* ``v1/worker/gpu_worker.py`` Worker and, on CPU only, ``v1/worker/cpu_worker.py`` CPUWorker
+  ``compile_or_warm_up_model`` (importing the CPU worker swaps torch.cuda's classes for
+  stand-ins process-wide): with eagle2's adaptive budget, after the warm-up, the
   drafter times the target and one draft level (the budget's start-up calibration); and a
   method ``eagle2_budget_summary`` for ``LLM.collective_rpc``, the budget's counters.
-* ``v1/attention/backends/cpu_attn.py``: with eagle2 (or with ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1``)
+* ``v1/attention/backends/cpu_attn.py`` (CPU only): with eagle2 (or with ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1``)
   the bf16 "amx" KV layout is replaced by the "vec" layout, which the tree attention reads.
 * ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
   ``v1/sample/rejection_sampler.py``), only with ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` (eagle2 verifies
@@ -388,12 +389,19 @@ def _patch_runner() -> None:
 
 
 def _patch_workers() -> None:
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_eagle2.proposer import Eagle2Proposer
 
-    for cls in (Worker, CPUWorker):
+    classes = [Worker]
+    if current_platform.is_cpu():
+        # Only on CPU: importing vLLM's CPU worker replaces torch.cuda's Event and Stream,
+        # torch.accelerator's synchronize and memory info, and pinning, for the whole process.
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    for cls in classes:
         warm_up = cls.compile_or_warm_up_model
 
         def compile_or_warm_up_model(self, *args, _warm_up=warm_up, **kwargs):
@@ -471,10 +479,12 @@ def _discarded_cpu_generators(runner: Any) -> list[Any]:
 
 
 def _patch_cpu_attention() -> None:
-    try:
-        from vllm.v1.attention.backends import cpu_attn
-    except Exception:  # noqa: BLE001 - CUDA builds may lack the CPU backend
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
         return
+    from vllm.v1.attention.backends import cpu_attn
+
     get_isa = cpu_attn._get_attn_isa
 
     def _get_attn_isa(*args, **kwargs) -> str:
