@@ -21,16 +21,22 @@ def run_llm(
     params: Any,
     *,
     fresh_process: bool = False,
+    compiled: bool = False,
     **engine_kwargs: Any,
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Generate with a fresh engine (float32, eager), shut it down; returns outputs and metrics.
+    """Generate with a fresh engine (float32), shut it down; returns outputs and metrics.
+
+    Eager unless ``compiled``: vLLM's default mode, the model compiled by torch.compile (Inductor
+    here). The first compiled engine of a model shape compiles for about a minute; later ones
+    load vLLM's compile cache (about 15 s more than eager).
 
     The engine core runs inside the test process: a tiny engine starts in about half the time it
     takes in its own process (measured 12-17 s against 26-34 s). ``fresh_process`` puts it in a new
     process instead, where the plugin is loaded (and reads its environment) anew.
 
     metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
-    holds the adaptive budget's counters (None with the fixed budget).
+    holds the adaptive budget's counters (None with the fixed budget) and "eagle2" what the tree
+    verification exercised (:class:`vllm_eagle2.runner.VerifyCounters`).
     """
     from vllm import LLM
 
@@ -39,7 +45,7 @@ def run_llm(
     kwargs: dict[str, Any] = dict(
         model=str(target),
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=512,
         max_num_seqs=8,
         seed=0,
@@ -68,6 +74,16 @@ def acceptance_length(metrics: dict[str, Any]) -> float:
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert drafts > 0, "no speculative steps ran"
     return 1.0 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+
+
+def assert_trees_exercised(metrics: dict[str, Any], *, branched: bool = True) -> None:
+    """The engine verified drafts and accepted some; with ``branched``, it also verified branching
+    trees and moved the K/V of accepted off-chain nodes (the paths a chain never takes)."""
+    assert metrics["vllm:spec_decode_num_drafts"] > 0, "no drafts were verified"
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, "no draft was accepted"
+    if branched:
+        stats = metrics["eagle2"]
+        assert stats["tree_rows"] > 0 and stats["kv_moves"] > 0, stats
 
 
 def pytest_configure(config: Any) -> None:

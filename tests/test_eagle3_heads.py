@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import acceptance_length, run_llm
+from conftest import acceptance_length, assert_trees_exercised, run_llm
 from test_engine_lossless import greedy, token_prompts, tokens_of
 
 from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
@@ -36,8 +36,17 @@ def prompts() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(models, prompts) -> list[list[int]]:
-    return tokens_of(run_llm(models["target"], None, prompts, greedy())[0])
+def reference(models, prompts):
+    """The target without speculation: ``reference(mode)``, "eager" or "compiled", run on first use."""
+    done: dict[str, list[list[int]]] = {}
+
+    def get(mode: str = "eager") -> list[list[int]]:
+        if mode not in done:
+            outputs, _ = run_llm(models["target"], None, prompts, greedy(), compiled=mode == "compiled")
+            done[mode] = tokens_of(outputs)
+        return done[mode]
+
+    return get
 
 
 def eagle2(head: Path, **knobs) -> dict:
@@ -62,30 +71,40 @@ def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(
     per_position = []
     for spec in (vllm_eagle3, chain):
         outputs, metrics = run_llm(models["target"], spec, prompts, greedy())
-        assert tokens_of(outputs) == reference
+        assert tokens_of(outputs) == reference()
         per_position.append(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"])
     assert 0 < per_position[0][-1] < per_position[0][0]  # partly accepted chains, deep ones too
     assert per_position[1] == per_position[0]
 
 
 @pytest.mark.parametrize(
-    "head, knobs",
+    "head, knobs, mode",
     [
-        ("partial", dict(num_speculative_tokens=12, depth=4, topk=3)),
-        ("partial", dict(num_speculative_tokens=30, depth=6, topk=5, tree="static")),
-        ("random", dict(num_speculative_tokens=4, depth=2, topk=4)),
+        ("partial", dict(num_speculative_tokens=12, depth=4, topk=3), "eager"),
+        ("partial", dict(num_speculative_tokens=30, depth=6, topk=5, tree="static"), "eager"),
+        ("random", dict(num_speculative_tokens=4, depth=2, topk=4), "eager"),
+        ("partial", dict(num_speculative_tokens=12, depth=4, topk=3), "compiled"),
     ],
-    ids=["partial-dynamic-m12-d4-k3", "partial-static-m30-d6-k5", "random-dynamic-m4-d2-k4"],
+    ids=[
+        "partial-dynamic-m12-d4-k3",
+        "partial-static-m30-d6-k5",
+        "random-dynamic-m4-d2-k4",
+        "partial-dynamic-m12-d4-k3-compiled",
+    ],
 )
-def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, reference, head, knobs):
-    outputs, metrics = run_llm(models["target"], eagle2(models[head], **knobs), prompts, greedy())
-    assert tokens_of(outputs) == reference
+def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, reference, head, knobs, mode):
+    spec = eagle2(models[head], **knobs)
+    outputs, metrics = run_llm(models["target"], spec, prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
     if head == "partial":
+        assert_trees_exercised(metrics)
         assert acceptance_length(metrics) > 1.1  # the trees were partly accepted
 
 
 def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, prompts, reference):
     # The defaults: the adaptive budget over the paper's (60, 6, 10) tree.
     spec = {"method": "eagle2", "model": str(models["partial"])}
-    outputs, _ = run_llm(models["target"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference
+    outputs, metrics = run_llm(models["target"], spec, prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert metrics["vllm:spec_decode_num_drafts"] > 0

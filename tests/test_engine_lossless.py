@@ -1,5 +1,9 @@
 """eagle2 inside vLLM is lossless: same tokens as the same engine without speculation.
 
+In both modes vLLM runs: eager, and compiled (its default; the tests marked ``compiled`` compare
+with the compiled engine without speculation). Each test asserts what it exercised: drafts
+verified and accepted, and for trees, off-chain nodes whose K/V was moved.
+
 Float32 tiny models (docs/design.md, section 4: bf16 rounds differently per batch shape). The "partial"
 pair has a head that agrees with its target only ~65% of the time, so trees are accepted
 at varied depths and branches: the pair that catches tree-mask and KV-compaction bugs.
@@ -13,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import acceptance_length, run_llm
+from conftest import acceptance_length, assert_trees_exercised, run_llm
 
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.adaptive import COSTS_ENV
@@ -70,9 +74,18 @@ def prompts() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(models, prompts) -> dict[str, list[list[int]]]:
-    """The same engines without speculation."""
-    return {"partial": tokens_of(run_llm(models["partial"], None, prompts, greedy())[0])}
+def reference(models, prompts):
+    """The partial target without speculation: ``reference(mode)`` for mode "eager" or
+    "compiled", each engine run on first use."""
+    done: dict[str, list[list[int]]] = {}
+
+    def get(mode: str = "eager") -> list[list[int]]:
+        if mode not in done:
+            outputs, _ = run_llm(models["partial"], None, prompts, greedy(), compiled=mode == "compiled")
+            done[mode] = tokens_of(outputs)
+        return done[mode]
+
+    return get
 
 
 #: An exact head's 4-deep chain: every step accepts all 4 drafts.
@@ -84,27 +97,89 @@ def eagle2(head: Path, **knobs) -> dict:
     return {"method": "eagle2", "model": str(head), "budget": "fixed", **knobs}
 
 
+M12 = dict(num_speculative_tokens=12, depth=4, topk=3)
+
+
 @pytest.mark.parametrize(
-    "knobs",
+    "knobs, mode",
     [
-        dict(num_speculative_tokens=12, depth=4, topk=3),
-        dict(num_speculative_tokens=30, depth=6, topk=5),
-        dict(num_speculative_tokens=4, depth=2, topk=4),
+        (M12, "eager"),
+        (dict(num_speculative_tokens=30, depth=6, topk=5), "eager"),
+        (dict(num_speculative_tokens=4, depth=2, topk=4), "eager"),
+        (M12, "compiled"),
     ],
-    ids=["m12-d4-k3", "m30-d6-k5", "m4-d2-k4"],
+    ids=["m12-d4-k3", "m30-d6-k5", "m4-d2-k4", "m12-d4-k3-compiled"],
 )
-def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, knobs):
-    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **knobs), prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, knobs, mode):
+    spec = eagle2(models["noisy"], **knobs)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
+    assert_trees_exercised(metrics)
     tau = acceptance_length(metrics)
     assert 1.2 < tau < knobs["depth"] + 1  # partly accepted trees, not all-or-nothing
+
+
+@pytest.fixture(scope="module")
+def eager_m12(models, prompts) -> tuple[list[list[int]], dict]:
+    return run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+
+
+def test_compiled_mode_accepts_as_many_drafts_as_eager(models, prompts, eager_m12):
+    """Same trees, same verifier: a compiled head that misread its inputs drafted worse (vLLM's
+    compiled head was traced on int32 ids; int64 ids took tau from 3.67 to 2.12 here)."""
+    _, compiled = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy(), compiled=True)
+    assert acceptance_length(compiled) == pytest.approx(acceptance_length(eager_m12[1]), rel=0.02)
+
+
+def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference, monkeypatch):
+    """Negative control: these tests see a verifier that leaves accepted off-chain K/V in place."""
+    from vllm_eagle2 import attention
+
+    monkeypatch.setattr(attention, "move_kv", lambda kept, *args: kept.clear())
+    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    assert_trees_exercised(metrics)
+    assert tokens_of(outputs) != reference()
+
+
+def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, reference, monkeypatch):
+    """Negative control: these tests see tree rows that attend to their siblings' K/V too."""
+    from vllm_eagle2 import runner
+
+    build = runner.build_tree_masks
+
+    def see_all(parents, **kwargs):
+        masks = build(parents, **kwargs)
+        masks.packed.fill_(-1)  # every bit: every region token visible
+        return masks
+
+    monkeypatch.setattr(runner, "build_tree_masks", see_all)
+    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    assert_trees_exercised(metrics)
+    assert tokens_of(outputs) != reference()
+
+
+def test_a_level_wider_than_the_token_budget_is_narrowed_and_stays_exact(models, prompts, reference):
+    """8 requests x topk 3 = 24 rows per draft level, over max_num_batched_tokens = 16: the step
+    drafts with topk 2 instead of overflowing the head's input buffers."""
+    outputs, metrics = run_llm(
+        models["partial"],
+        eagle2(models["noisy"], **M12),
+        prompts,
+        greedy(),
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+    )
+    assert tokens_of(outputs) == reference()
+    assert metrics["eagle2"]["narrowed_steps"] > 0, metrics["eagle2"]
+    assert_trees_exercised(metrics)
 
 
 def test_greedy_with_a_two_layer_head_equals_no_speculation(models, prompts, reference):
     # Each draft layer has its own paged KV cache and reads the tree mask: both must hold up.
     spec = eagle2(models["noisy_2l"], num_speculative_tokens=12, depth=4, topk=3)
     outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+    assert tokens_of(outputs) == reference()
+    assert_trees_exercised(metrics)
     assert acceptance_length(metrics) > 1.2
 
 
@@ -132,22 +207,24 @@ STEP_COSTS = '{"target": [0.02, 0.0005], "level": [0.001, 0.0001], "overhead": 0
 
 
 @pytest.mark.parametrize(
-    "knobs",
+    "knobs, mode",
     [
-        dict(num_speculative_tokens=12, depth=4, topk=3),
-        dict(num_speculative_tokens=30, depth=6, topk=5),
-        dict(num_speculative_tokens=12, depth=4, topk=3, tree="static"),
-        dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain"),
+        (M12, "eager"),
+        (dict(num_speculative_tokens=30, depth=6, topk=5), "eager"),
+        (dict(num_speculative_tokens=12, depth=4, topk=3, tree="static"), "eager"),
+        (dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain"), "eager"),
+        (M12, "compiled"),
     ],
-    ids=["m12-d4-k3", "m30-d6-k5", "static", "chain"],
+    ids=["m12-d4-k3", "m30-d6-k5", "static", "chain", "m12-d4-k3-compiled"],
 )
 def test_greedy_with_the_adaptive_budget_equals_no_speculation(
-    models, prompts, reference, knobs, monkeypatch
+    models, prompts, reference, knobs, mode, monkeypatch
 ):
     monkeypatch.setenv(COSTS_ENV, STEP_COSTS)
     spec = eagle2(models["noisy"], budget="adaptive", **knobs)
-    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
+    assert_trees_exercised(metrics, branched=knobs.get("tree") != "chain")
     budget = metrics["eagle2_budget"]
     assert len(budget["drafts_per_step"]) >= 3, budget  # trees of several sizes, step to step
     assert len([n for n in budget["drafts_per_request"] if n != "0"]) >= 2, budget  # and per request
@@ -180,7 +257,7 @@ def never_drafting(models, prompts) -> tuple[list[list[int]], dict, Counter]:
 
 def test_adaptive_budget_drafts_nothing_when_verification_costs_too_much(never_drafting, reference):
     tokens, metrics, _ = never_drafting
-    assert tokens == reference["partial"]
+    assert tokens == reference()
     budget = metrics["eagle2_budget"]
     assert budget["steps"] > 0 and budget["steps_without_drafts"] == budget["steps"]
     assert metrics["vllm:spec_decode_num_drafts"] == 0
@@ -206,22 +283,25 @@ def test_greedy_with_only_method_and_model_set_equals_no_speculation(models, pro
     # budget, its costs calibrated on this machine at engine start.
     spec = {"method": "eagle2", "model": str(models["noisy"])}
     outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+    assert tokens_of(outputs) == reference()
     assert metrics["eagle2_budget"]["steps"] > 0
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_greedy_on_a_random_target_equals_no_speculation(models, prompts):
     spec = eagle2(models["random_head"], num_speculative_tokens=12, depth=4, topk=3)
     outputs, metrics = run_llm(models["random"], spec, prompts, greedy())
     assert tokens_of(outputs) == tokens_of(run_llm(models["random"], None, prompts, greedy())[0])
-    assert acceptance_length(metrics) > 1.0  # some drafts accepted, most rejected
+    assert_trees_exercised(metrics)  # some drafts accepted, most rejected
 
 
-@pytest.mark.parametrize("mode", ["static", "chain", "no_value", "no_rerank"])
-def test_greedy_every_tree_mode_equals_no_speculation(models, prompts, reference, mode):
-    spec = eagle2(models["noisy"], num_speculative_tokens=10, depth=4, topk=3, tree=mode)
-    outputs, _ = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("tree", ["static", "chain", "no_value", "no_rerank"])
+def test_greedy_every_tree_mode_equals_no_speculation(models, prompts, reference, tree, mode):
+    spec = eagle2(models["noisy"], num_speculative_tokens=10, depth=4, topk=3, tree=tree)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
+    assert_trees_exercised(metrics, branched=tree != "chain")
 
 
 def test_chain_drafts_verify_on_vllms_causal_attention_alone(models, prompts, reference):
@@ -239,15 +319,28 @@ def test_chain_drafts_verify_on_vllms_causal_attention_alone(models, prompts, re
                 owner, name, lambda *a, _stock=stock, _n=name, **k: calls.update([_n]) or _stock(*a, **k)
             )
         outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
-    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert tokens_of(outputs) == reference()
+    assert_trees_exercised(metrics, branched=False)
     assert calls == Counter(), calls
 
 
-def test_greedy_with_chunked_prefill_and_prefix_caching(models, prompts, reference):
+def test_greedy_with_chunked_prefill_and_prefix_caching(models, prompts, reference, monkeypatch):
     # Repeat the prompts so prefix caching hits; a small token budget forces chunked prefill.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    chunked = []
+    schedule = Scheduler.schedule
+
+    def counting_schedule(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        for req in out.scheduled_new_reqs:  # a first chunk that stops short of the prompt's end
+            left = len(req.prompt_token_ids) - req.num_computed_tokens
+            chunked.append(out.num_scheduled_tokens[req.req_id] < left)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", counting_schedule)
     spec = eagle2(models["noisy"], num_speculative_tokens=12, depth=4, topk=3)
-    outputs, _ = run_llm(
+    outputs, metrics = run_llm(
         models["partial"],
         spec,
         prompts + prompts,
@@ -256,7 +349,10 @@ def test_greedy_with_chunked_prefill_and_prefix_caching(models, prompts, referen
         enable_prefix_caching=True,
         max_num_batched_tokens=64,
     )
-    assert tokens_of(outputs) == reference["partial"] * 2
+    assert tokens_of(outputs) == reference() * 2
+    assert any(chunked), "no prompt was prefilled in chunks"
+    assert metrics["vllm:prefix_cache_hits"] > 0, "no prompt hit the prefix cache"
+    assert_trees_exercised(metrics)
 
 
 @pytest.mark.parametrize(
@@ -289,10 +385,11 @@ def ranked_copy(head: Path, outputs: list[list[int]], dest: Path) -> tuple[Path,
 
 def test_greedy_with_a_draft_vocabulary_equals_no_speculation(models, prompts, reference, tmp_path):
     # The 64 most frequent output tokens: the head cannot even propose the others.
-    head, _ = ranked_copy(models["noisy"], reference["partial"], tmp_path / "ranked")
+    head, _ = ranked_copy(models["noisy"], reference(), tmp_path / "ranked")
     spec = eagle2(head, num_speculative_tokens=12, depth=4, topk=3, draft_vocab_size=64)
     outputs, metrics = run_llm(models["partial"], spec, prompts, greedy())
-    assert tokens_of(outputs) == reference["partial"]
+    assert tokens_of(outputs) == reference()
+    assert_trees_exercised(metrics)
     assert acceptance_length(metrics) > 1.2
 
 

@@ -110,10 +110,20 @@ def test_mixed_greedy_and_seeded_sampling_batch(engines):
     assert ids(first) == ids(again)  # seeded sampling is reproducible run to run
 
 
+def drafts_verified(llm) -> int:
+    """vLLM's count of draft tokens verified so far in this engine."""
+    return next(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+
+
 def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines):
+    prompts = [prompt(10, 6), prompt(20, 7)]
     params = greedy(repetition_penalty=1.3, presence_penalty=0.5)
-    spec, plain = both(engines, [prompt(10, 6), prompt(20, 7)], params)
+    before = drafts_verified(engines["eagle2"])
+    spec, plain = both(engines, prompts, params)
     assert ids(spec) == ids(plain)
+    assert drafts_verified(engines["eagle2"]) == before  # no drafts for them
+    unpenalised = engines["plain"].generate(prompts, greedy(), use_tqdm=False)
+    assert ids(plain) != ids(unpenalised)  # and the penalties changed what was sampled
 
 
 def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):

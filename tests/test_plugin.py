@@ -25,6 +25,7 @@ import textwrap
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -412,6 +413,47 @@ def test_invalid_setting_fails_fast_naming_the_field(models, knobs, head, words)
     message = str(failure.value)
     assert all(word in message for word in words), message
     assert elapsed < CONFIG_SECONDS
+
+
+def test_a_quantized_kv_cache_is_refused_at_start_up_naming_the_field(models):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(models["target"]),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_dtype="fp8",
+        speculative_config=eagle2(models["head"], **KNOBS),
+    )
+    with pytest.raises(Eagle2ConfigError, match=r"kv_cache_dtype must be one of auto, bfloat16.*'fp8'"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "feature, value, words",
+    [
+        ("sliding_window", (4095, 0), "sliding-window attention"),
+        ("logits_soft_cap", 50.0, "logit soft-capping"),
+        ("alibi_slopes", torch.ones(2), "ALiBi"),
+        ("sinks", torch.zeros(2), "attention sinks"),
+        ("kv_cache_dtype", "fp8_e4m3", "a quantized KV cache"),
+    ],
+)
+def test_attention_the_tree_kernel_does_not_apply_is_refused_when_the_layers_load(feature, value, words):
+    from vllm_eagle2 import attention
+
+    class FlashAttentionImpl:  # a stock impl, as vLLM's FLASH_ATTN builds it, with one feature on
+        sliding_window, logits_soft_cap, alibi_slopes, sinks, kv_cache_dtype = (-1, -1), 0, None, None, "auto"
+
+        def forward(self, *args, **kwargs):
+            return None
+
+    plain, featured = FlashAttentionImpl(), FlashAttentionImpl()
+    setattr(featured, feature, value)
+    attention.wrap_attention_layers({"model.layers.0.attn": SimpleNamespace(impl=plain)})  # accepted
+    with pytest.raises(RuntimeError, match=f"model.layers.1.attn uses {words}"):
+        attention.wrap_attention_layers({"model.layers.1.attn": SimpleNamespace(impl=featured)})
 
 
 # -- version safety ------------------------------------------------------------------------------

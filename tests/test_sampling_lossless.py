@@ -45,9 +45,11 @@ def sampling_params():
 
 
 def sample(target, spec, fresh_process: bool = False) -> np.ndarray:
-    outputs, _ = run_llm(
+    outputs, metrics = run_llm(
         target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32, fresh_process=fresh_process
     )
+    if spec is not None:
+        assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, "no draft was accepted"
     return np.array([list(o.outputs[0].token_ids) for o in outputs])
 
 
@@ -128,8 +130,59 @@ def test_vllm_eagle_samples_the_target_distribution_with_the_cpu_fix_opted_in(pa
     assert min(pvalues) > 1e-3, pvalues
 
 
-def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
-    # The engine runs in this process (run_llm's default), so its worker sees the patched verifier.
+# --- vLLM's default (compiled) mode, with top-k and top-p, two prompts, every tree depth ----------
+#: Filters on top of temperature, and 6 tokens: a depth-4 tree decides output positions 2 to 6.
+FILTERED = dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True)
+TWO_PROMPTS = [PROMPT, {"prompt_token_ids": [300, 12, 75, 488, 9, 260, 133]}]
+PER_PROMPT = 250
+
+
+def sample_filtered(target, spec) -> tuple[list[np.ndarray], dict]:
+    """Compiled engine; per prompt, [PER_PROMPT, 6] tokens; and the engine's metrics."""
+    from vllm import SamplingParams
+
+    prompts = TWO_PROMPTS * PER_PROMPT
+    params = [SamplingParams(**FILTERED, seed=5000 + i) for i in range(len(prompts))]
+    outputs, metrics = run_llm(target, spec, prompts, params, max_num_seqs=32, compiled=True)
+    tokens = np.array([list(o.outputs[0].token_ids) for o in outputs])
+    return [tokens[i :: len(TWO_PROMPTS)] for i in range(len(TWO_PROMPTS))], metrics
+
+
+def filtered_pvalues(reference: list[np.ndarray], samples: list[np.ndarray]) -> list[float]:
+    return [
+        homogeneity_pvalue(ref[:, j], got[:, j])
+        for ref, got in zip(reference, samples)
+        for j in range(1, FILTERED["max_tokens"])
+    ]
+
+
+@pytest.fixture(scope="module")
+def filtered_reference(pair) -> list[np.ndarray]:
+    return sample_filtered(pair[0], None)[0]
+
+
+def test_compiled_top_k_top_p_samples_follow_the_target_distribution_at_every_depth(pair, filtered_reference):
+    target, head = pair
+    spec = {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"}
+    samples, metrics = sample_filtered(target, spec)
+    per_depth = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][: SPEC["depth"]]
+    assert all(n > 0 for n in per_depth), per_depth  # drafts accepted at every depth of the trees
+    assert metrics["eagle2"]["kv_moves"] > 0, metrics["eagle2"]  # and off-chain paths among them
+    pvalues = filtered_pvalues(filtered_reference, samples)
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_a_biased_verifier_fails_the_compiled_top_k_top_p_test(pair, filtered_reference, monkeypatch):
+    _sharpen_the_verifier(monkeypatch)
+    target, head = pair
+    biased, _ = sample_filtered(target, {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"})
+    pvalues = filtered_pvalues(filtered_reference, biased)
+    assert min(pvalues) < 1e-4, pvalues
+
+
+def _sharpen_the_verifier(monkeypatch) -> None:
+    """The right algorithm on a wrongly tempered target distribution (the engine runs in this process,
+    run_llm's default, so its worker sees the patched verifier)."""
     from vllm_eagle2 import runner
 
     exact = runner.verify_tree
@@ -139,6 +192,10 @@ def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
         return exact(*args, temperature=wrong, **kwargs)
 
     monkeypatch.setattr(runner, "verify_tree", sharpened)
+
+
+def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
+    _sharpen_the_verifier(monkeypatch)
     target, head = pair
     biased = sample(target, {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"})
     pvalues = [homogeneity_pvalue(reference[:, j], biased[:, j]) for j in range(1, MAX_TOKENS)]

@@ -43,6 +43,7 @@ from vllm_eagle2.budget import (
     plan_draft,
     step_cost,
 )
+from vllm_eagle2.host import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -448,7 +449,7 @@ class AdaptiveBudget:
         # Sending no drafts after all spares the next step its verification.
         seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
         seconds = seconds + draft_seconds(plan, batch, costs["level"])
-        step_seconds = torch.from_numpy(seconds.astype(np.float32)).to(values.device, non_blocking=True)
+        step_seconds = to_device(seconds.astype(np.float32), values.device)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
 
     def count_step(self, plan: DraftPlan, counts: list[int]) -> None:

@@ -149,8 +149,32 @@ def _layout_of(impl: Any) -> str:
         return "flash"
     raise RuntimeError(
         f"eagle2 tree attention does not know the KV-cache layout of {name}; supported: "
-        "CPU_ATTN (CPU), FLASH_ATTN and TRITON_ATTN (CUDA)"
+        "CPU_ATTN (CPU), FLASH_ATTN and TRITON_ATTN (CUDA): start vLLM with "
+        "--attention-backend FLASH_ATTN (or TRITON_ATTN; LLM(..., attention_backend=...))"
     )
+
+
+def unsupported_features(impl: Any) -> list[str]:
+    """What an attention layer's impl applies that the tree kernel does not (empty = none).
+
+    The tree rows are recomputed by :func:`paged_tree_attention`, which knows plain softmax
+    attention over an unquantized cache; any of these would make the tree rows differ from what
+    the stock kernel computes for the same tokens, so eagle2 would not be lossless.
+    """
+    found = []
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        found.append(f"sliding-window attention ({window})")
+    if getattr(impl, "logits_soft_cap", None):
+        found.append(f"logit soft-capping ({impl.logits_soft_cap})")
+    if getattr(impl, "alibi_slopes", None) is not None:
+        found.append("ALiBi")
+    if getattr(impl, "sinks", None) is not None:
+        found.append("attention sinks")
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    if kv_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
+        found.append(f"a quantized KV cache (kv_cache_dtype {kv_dtype})")
+    return found
 
 
 def _tree_forward(
@@ -193,6 +217,14 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
     impls = (getattr(layer, "impl", None) for layer in layers.values())
     todo = [i for i in impls if hasattr(i, "forward") and not getattr(i, "_eagle2_wrapped", False)]
     layouts = {_layout_of(impl) for impl in todo}  # fail at start-up, not mid-request, if unknown
+    for name, layer in layers.items():
+        features = unsupported_features(getattr(layer, "impl", None))
+        if features:
+            raise RuntimeError(
+                f"eagle2 cannot verify trees for this model: attention layer {name} uses "
+                f"{', '.join(features)}, which eagle2's tree attention does not apply, so its output "
+                "would differ from vLLM's. Serve it without eagle2 (vLLM's own 'eagle' drafts chains)."
+            )
     if "cpu" in layouts:  # build the C++ kernel now, not mid-request (about 15 s, once per machine)
         logger.info("eagle2 tree attention on CPU: %s backend", cpu_backend())
     for impl in todo:

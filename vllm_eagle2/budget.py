@@ -282,6 +282,24 @@ class DraftPlan:
 NO_DRAFTS = DraftPlan(0, 0, 0, 0, 0.0)
 
 
+def fit_level_rows(plan: DraftPlan, batch: int, max_rows: int) -> DraftPlan:
+    """``plan`` narrowed so that one draft level of ``batch`` requests, ``batch * topk`` rows, fits
+    the head's ``max_rows`` (vLLM's ``max_num_batched_tokens``: its input buffers, slot mapping and
+    compiled sizes). At vLLM's GPU defaults (8,192 tokens) topk 10 overflows past 819 requests.
+    """
+    topk = min(plan.topk, max(1, max_rows // max(batch, 1)))
+    if topk == plan.topk:
+        return plan
+    pool = _pool_size(plan.depth, topk)
+    return DraftPlan(
+        depth=plan.depth,
+        topk=topk,
+        num_tokens=min(plan.num_tokens, pool),
+        per_request=min(plan.per_request, pool),
+        rate=plan.rate,
+    )
+
+
 def _pool_size(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk
 

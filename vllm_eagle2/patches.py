@@ -70,6 +70,8 @@ FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
 #: Set to 1 to give engines without eagle2 eagle2's bf16 KV layout ("vec" for "amx") too, so
 #: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
 VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
+#: kv_cache_dtype values whose cache eagle2's tree attention reads (no quantized caches).
+UNQUANTIZED_KV = ("auto", "bfloat16", "float16", "float32")
 #: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
 DRAFTS_ATTR = "eagle2_draft_token_ids"
 _state: dict[str, Any] = {"applied": False, "error": None}
@@ -180,6 +182,12 @@ def _patch_config() -> None:
         if not (isinstance(spec, dict) and spec.get("method") == "eagle2"):
             return create(self, target_model_config, *args, **kwargs)
         settings = parse_settings(spec)
+        kv_dtype = str(getattr(self, "kv_cache_dtype", "auto"))
+        if kv_dtype not in UNQUANTIZED_KV:
+            raise Eagle2ConfigError(
+                f"eagle2 needs an unquantized KV cache: kv_cache_dtype must be one of "
+                f"{', '.join(UNQUANTIZED_KV)}; got {kv_dtype!r} (its tree attention reads the cache as is)"
+            )
         target = TargetShape(
             hidden_size=target_model_config.get_hidden_size(),
             vocab_size=target_model_config.get_vocab_size(),

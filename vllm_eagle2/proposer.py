@@ -34,10 +34,11 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2 import attention
 from vllm_eagle2.adaptive import AdaptiveBudget
-from vllm_eagle2.budget import DraftPlan
+from vllm_eagle2.budget import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
+from vllm_eagle2.host import to_device
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
 from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
@@ -285,10 +286,12 @@ class Eagle2Proposer(EagleProposer):
         """
         budget = self.budget
         if budget is None:
-            self._step_plan = self._full_plan
-            return
-        budget.target_done()
-        self._step_plan = budget.plan(batch)
+            plan = self._full_plan
+        else:
+            budget.target_done()
+            plan = budget.plan(batch)
+        self._step_plan = fit_level_rows(plan, batch, self.max_num_tokens)
+        self.counters.narrowed_steps += self._step_plan is not plan
 
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
@@ -353,7 +356,7 @@ class Eagle2Proposer(EagleProposer):
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
         n_out = min(num_speculative_tokens, tree.num_nodes)
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
-        allowed = expander.fits & torch.tensor(eligible).to(expander.fits.device, non_blocking=True)
+        allowed = expander.fits & to_device(eligible, expander.fits.device)
         if budget is None:
             counts = allowed.long() * n_out
         else:
@@ -464,7 +467,7 @@ class _TreeExpander:
         positions = (self.root_pos + level - 1).repeat_interleave(k).view(batch, k)
         num_tokens = batch * k
         qsl_cpu = torch.arange(0, num_tokens + 1, k, dtype=torch.int32)
-        qsl = qsl_cpu.to(device, non_blocking=True)
+        qsl = to_device(qsl_cpu, device)
         seq_lens = (self.start + region_len).to(torch.int32)
         max_seq_len = self.max_seq_len + region_len
         cad = dataclasses.replace(

@@ -25,6 +25,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2 import attention
+from vllm_eagle2.host import to_device
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify import verify_tree
 
@@ -67,7 +68,7 @@ def _padded_drafts(
     come from the scheduler's host-side list, so nothing here syncs the device.
     """
     counts = meta.num_draft_tokens
-    n = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
+    n = to_device(counts, device, torch.long)
     width = max(max(counts, default=0), width, 1)
     col = torch.arange(width, device=device)
     valid = col < n.unsqueeze(1)
@@ -137,7 +138,7 @@ def _stored_trees(
     sent = min(width, store.off_chain.shape[1])
     off_chain[found, :sent] = store.off_chain[src_host[found], :sent]
     off_chain &= np.arange(width) < counts[:, None]
-    src = torch.from_numpy(src_host).to(device, non_blocking=True)
+    src = to_device(src_host, device)
     take = min(width, store.tokens.shape[1])
 
     def stored(field: torch.Tensor, fill: float) -> torch.Tensor:
@@ -181,7 +182,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     trees = _stored_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
     width = tokens.shape[1]
     row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
-    row_start = torch.from_numpy(row_start_host).to(device, non_blocking=True)
+    row_start = to_device(row_start_host, device)
     step = VerifyStep(
         tokens=tokens,
         parents=trees.parents,
@@ -227,16 +228,16 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     qsl[1:] = np.cumsum(q)
     region = 1 + np.argsort(~need, axis=1, kind="stable")[:, : int(q.max())]
     rows = (row_start_host[spec, None] + region)[np.arange(region.shape[1]) < q[:, None]]
-    spec_t = torch.from_numpy(spec).to(device, non_blocking=True)
+    spec_t = to_device(spec, device)
     words = masks.packed.shape[-1]
-    region_t = torch.from_numpy(region).to(device, non_blocking=True)
+    region_t = to_device(region, device)
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
     kept_row = np.full((batch, width), -1, dtype=np.int64)
     kept_row[np.repeat(spec, q), (region - 1)[np.arange(region.shape[1]) < q[:, None]]] = np.arange(rows.size)
     forward.publish(
         attention.TreeBatch(
-            rows=torch.from_numpy(rows).to(device, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl).to(device, non_blocking=True),
+            rows=to_device(rows, device),
+            query_start_loc=to_device(qsl, device),
             block_table=block_table[spec_t],
             context_lens=root_pos[spec_t],
             region_lens=n[spec_t] + 1,
@@ -246,7 +247,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     )
     step.depths = masks.depths[:, 1:]
     step.kept_kv = forward.kept_kv
-    step.kept_row = torch.from_numpy(kept_row).to(device, non_blocking=True)
+    step.kept_row = to_device(kept_row, device)
     runner.drafter.counters.count_tree_rows(spec.size, rows.size)
 
 
@@ -360,6 +361,7 @@ class VerifyCounters:
     device: torch.device
     branched_steps: int = 0  # steps with at least one branching tree
     tree_rows: int = 0  # draft rows recomputed with their tree mask
+    narrowed_steps: int = 0  # steps whose topk was cut so that a level fits max_num_batched_tokens
     kv_moves: torch.Tensor | None = None  # accepted off-chain nodes whose K/V was moved
 
     def __post_init__(self) -> None:
@@ -376,5 +378,6 @@ class VerifyCounters:
         return {
             "branched_steps": self.branched_steps,
             "tree_rows": self.tree_rows,
+            "narrowed_steps": self.narrowed_steps,
             "kv_moves": int(self.kv_moves.item()),
         }
