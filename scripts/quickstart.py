@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len (default 2048)")
     p.add_argument("--seed", type=int, default=0, help="engine, sampling and tiny-pair seed (default 0)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run vLLM eagerly (default: its compiled mode, as vLLM runs unless told otherwise)",
+    )
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     args = p.parse_args(argv)
     if args.model is not None and args.head is None:

@@ -168,6 +168,14 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
     assert sync["spec"] is None and sync["async_scheduling"] is False
     assert default["spec"] is None and "async_scheduling" not in default
     assert "nospec_sync" not in DEFAULT_MODES
+    # vLLM's default (compiled) mode unless --enforce-eager
+    assert sync["eager"] is False and default["eager"] is False
+    started.clear()
+    common = ["--model", str(target_dir), "--head", str(head)]
+    args = parse_args([*common, "--modes", "nospec", "--enforce-eager"])
+    with pytest.raises(Started):
+        engines.run_engine(plan_runs(args, target, bs=4)[0], target, [], args)
+    assert started[0]["eager"] is True
 
 
 def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ One place for what every script did by hand before starting vLLM's offline ``LLM
   scratch folder, ``LD_PRELOAD`` of the venv's Intel OpenMP for the engine's child processes),
   quiet logs, and opt-in ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` (:data:`vllm_eagle2.patches.FIX_VLLM_CPU_ENV`:
   the plugin's fixes of vLLM's CPU build in engines *without* eagle2 too, e.g. vLLM's own ``eagle``).
-* :func:`build_llm` -- ``LLM(...)`` with the arguments every script passes (eager mode, stats on,
+* :func:`build_llm` -- ``LLM(...)`` with the arguments every script passes (vLLM's default compiled
+  mode unless told ``eager``, stats on,
   so that ``llm.get_metrics()`` has the spec-decode counters), plus environment variables that only
   this engine's processes see (they inherit the environment as it is when they start).
 * :func:`warm_up`, :func:`spec_counters`, :func:`shutdown_llm` -- the first short generation (not
@@ -85,22 +86,24 @@ def build_llm(
     max_model_len: int = 2048,
     max_num_seqs: int = 1,
     env: Mapping[str, str] | None = None,
+    eager: bool = False,
     **engine_kwargs: Any,
 ) -> Any:
     """Start vLLM's offline engine ``LLM`` on ``model`` (a folder), as every script here does.
 
     ``speculative_config``: None (no speculation), ``{"method": "eagle2", "model": HEAD, ...}``, or
     any vLLM method such as ``{"method": "eagle", ...}``. ``dtype``: ``float32``, ``bfloat16`` or
-    ``float16``. ``max_num_seqs`` is the batch size. Always ``enforce_eager=True`` (no graph capture:
-    faster to start, and what the CPU build supports) and ``disable_log_stats=False`` (the spec-decode
-    counters read by :func:`spec_counters`); ``engine_kwargs`` go to ``LLM`` as well and may override
-    those two. ``env``: environment variables set only while the engine starts, so that only its
-    processes see them (e.g. ``{"VLLM_EAGLE2_STEP_COSTS": ...}`` for one engine of a benchmark).
+    ``float16``. ``max_num_seqs`` is the batch size. vLLM's default mode, as users run it (the model
+    compiled by torch.compile; CUDA graphs on GPUs), unless ``eager`` (``enforce_eager=True``: starts
+    sooner, runs slower); always ``disable_log_stats=False`` (the spec-decode counters read by
+    :func:`spec_counters`). ``engine_kwargs`` go to ``LLM`` as well. ``env``: environment variables
+    set only while the engine starts, so that only its processes see them (e.g.
+    ``{"VLLM_EAGLE2_STEP_COSTS": ...}`` for one engine of a benchmark).
     Call :func:`prepare_env` first, once per process. Shut the engine down with :func:`shutdown_llm`.
     """
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {"enforce_eager": True, "disable_log_stats": False, **engine_kwargs}
+    kwargs: dict[str, Any] = {"enforce_eager": eager, "disable_log_stats": False, **engine_kwargs}
     with scoped_env(env):
         return LLM(
             model=str(model),

@@ -151,6 +151,7 @@ def run(
         max_model_len=args.max_model_len,
         max_num_seqs=args.batch_size,
         env=env,
+        eager=True,  # a breakdown of the step's host time, comparable with the earlier sittings
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.tiny)
     warm_up(llm, prompts)

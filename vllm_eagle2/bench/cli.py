@@ -172,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then one timed pass of every engine, seconds apart (needs the memory of all of them at once)",
     )
     p.add_argument("--output", type=Path, default=Path("benchmark.json"), help="JSON file (.md/.png beside)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run vLLM eagerly (default: its compiled mode; engine start-up, compilation included, is "
+        "recorded apart from the timed passes as engine_start_seconds)",
+    )
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

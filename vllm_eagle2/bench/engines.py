@@ -58,6 +58,7 @@ def start_engine(run: Run, target: Target, prompts: Prompts, args: argparse.Name
         seed=args.seed,
         max_model_len=args.max_model_len,
         max_num_seqs=run.batch_size,
+        eager=args.enforce_eager,
         **run.engine_kwargs,
     )
     try:
