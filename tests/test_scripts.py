@@ -47,9 +47,11 @@ def _run_script(script: str, *argv: str, timeout: int = 60) -> subprocess.Comple
                 "--dtype",
                 "--temperature",
                 "--batch-size",
+                "--enforce-eager",
             ],
         ),
         ("prepare_smollm2.py", ["--output", "--force"]),
+        ("smoke_check.py", ["--model", "--head", "--tiny", "--dtype", "--attention-backend"]),
         (
             "benchmark.py",
             [
@@ -374,3 +376,39 @@ def test_benchmark_times_every_pass_from_an_empty_prefix_cache(monkeypatch) -> N
         engines.time_generation(
             FakeLLM(resets=False), Run("nospec", "nospec", 1, None), [{"prompt_token_ids": [1]}] * 2, args
         )
+
+
+def test_smoke_check_on_this_cpu_passes_eager_and_compiled() -> None:
+    """The GPU smoke check's CPU mode: four engines on the tiny pair, eager and vLLM's default mode."""
+    proc = _run_script("smoke_check.py", "--tiny", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("eager ", "compiled "))]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("eager", "no"),
+        ("eager", "eagle2"),
+        ("compiled", "no"),
+        ("compiled", "eagle2"),
+    ], proc.stdout
+    assert "verdict: PASS" in proc.stdout
+
+
+def test_smoke_check_fails_on_a_difference_or_a_compiled_tau_drop() -> None:
+    from vllm_eagle2.bench.smoke import Sitting, judge
+
+    def sitting(engine, mode, tokens, accepted=0.0, moves=0):
+        stats = {"kv_moves": moves} if engine == "eagle2" else None
+        return Sitting(engine, mode, tokens, 1.0, 1.0, drafts=10.0, accepted=accepted, eagle2=stats)
+
+    def four(tokens, accepted):
+        return {
+            ("no speculation", "eager"): sitting("no speculation", "eager", [[1, 2, 3]]),
+            ("eagle2", "eager"): sitting("eagle2", "eager", [[1, 2, 3]], accepted=10.0, moves=3),
+            ("no speculation", "compiled"): sitting("no speculation", "compiled", [[1, 2, 3]]),
+            ("eagle2", "compiled"): sitting("eagle2", "compiled", tokens, accepted, moves=3),
+        }
+
+    assert judge(four([[1, 2, 3]], 10.0)).passed
+    differs = judge(four([[1, 2, 4]], 10.0))
+    assert not differs.passed and "compiled: 1 of 1 outputs differ (first at tokens [2])" in differs.reasons
+    slower = judge(four([[1, 2, 3]], 9.0))
+    assert not slower.passed and "compiled tau 1.900 is not within 2% of eager tau 2.000" in slower.reasons

@@ -1,0 +1,89 @@
+"""Smoke check: is eagle2 lossless and drafting on this machine, eagerly and in vLLM's default mode?
+
+Four engines on one model folder, one after the other: no speculation and eagle2 (fixed trees),
+each with ``enforce_eager=True`` and in vLLM's default compiled mode (torch.compile; piecewise CUDA
+graphs on a GPU). Prints greedy equality, tau, tokens/s and start-up time per engine, then a
+verdict; exits 1 when it fails. float32 by default, where greedy outputs must be identical token
+for token. On a CUDA GPU float32 needs an attention backend that runs it: the default here is
+TRITON_ATTN (``--attention-backend``).
+
+    # a CUDA GPU with vLLM 0.32 and vllm-eagle2 installed
+    python scripts/smoke_check.py --model MODEL_DIR --head EAGLE_HEAD_DIR
+    # this CPU, on the seeded tiny pair (the test suite runs this)
+    python scripts/smoke_check.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="target model folder")
+    p.add_argument("--head", type=Path, help="EAGLE-1/2 or EAGLE-3 head folder")
+    p.add_argument("--tiny", action="store_true", help="build and use the seeded tiny pair (CPU mode)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-speculative-tokens", type=int, default=12)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM attention backend on CUDA (default TRITON_ATTN, which runs float32); ignored on CPU",
+    )
+    args = p.parse_args(argv)
+    if not args.tiny and (args.model is None or args.head is None):
+        p.error("--model and --head are required (or --tiny)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from vllm_eagle2.engine import prepare_env
+
+    prepare_env(quiet=True)
+    from vllm_eagle2 import datasets
+    from vllm_eagle2.bench.smoke import report, smoke_check
+    from vllm_eagle2.cpu_env import SCRATCH
+
+    if args.tiny:
+        from vllm_eagle2.testing import build_pair
+
+        args.model, args.head = build_pair(SCRATCH / "smoke" / "tiny", "partial", seed=0)
+        lengths = [3, 120, 17, 64, 9, 33, 90, 5]
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * n) % 500 + 6 for i in range(n)]} for n in lengths]
+        prompts = prompts[: args.num_prompts]
+    else:
+        texts = datasets.repeated(datasets.benchmark_texts("mtbench"), args.num_prompts)
+        prompts = datasets.token_prompts(args.model, texts)
+    engine_kwargs = {"max_model_len": args.max_model_len}
+    import torch
+
+    if torch.cuda.is_available():
+        engine_kwargs["attention_backend"] = args.attention_backend or "TRITON_ATTN"
+    knobs = {"num_speculative_tokens": args.num_speculative_tokens, "depth": args.depth, "topk": args.topk}
+    sittings, verdict = smoke_check(
+        args.model,
+        args.head,
+        prompts,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        spec_knobs=knobs,
+        **engine_kwargs,
+    )
+    print(
+        f"model {args.model}, head {args.head}, {len(prompts)} prompts x {args.max_tokens} tokens, "
+        f"{args.dtype}"
+    )
+    print(report(sittings, verdict), flush=True)
+    return 0 if verdict.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
