@@ -158,6 +158,17 @@ def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, refe
     assert tokens_of(outputs) != reference()
 
 
+def test_greedy_on_the_glues_cuda_path_equals_no_speculation(models, prompts, reference, monkeypatch):
+    """The CUDA path of the glue on this CPU: fixed-shape KV moves, every (request, depth) pair
+    written, the no-ops to slot -1, which vLLM's cache writers skip."""
+    from vllm_eagle2.device import CUDA_PATH_ENV
+
+    monkeypatch.setenv(CUDA_PATH_ENV, "1")
+    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert_trees_exercised(metrics)
+
+
 def test_a_level_wider_than_the_token_budget_is_narrowed_and_stays_exact(models, prompts, reference):
     """8 requests x topk 3 = 24 rows per draft level, over max_num_batched_tokens = 16: the step
     drafts with topk 2 instead of overflowing the head's input buffers."""

@@ -122,6 +122,7 @@ def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines):
     spec, plain = both(engines, prompts, params)
     assert ids(spec) == ids(plain)
     assert drafts_verified(engines["eagle2"]) == before  # no drafts for them
+    assert engines["eagle2"].collective_rpc("eagle2_stats")[0]["requests_without_drafts"] >= len(prompts)
     unpenalised = engines["plain"].generate(prompts, greedy(), use_tqdm=False)
     assert ids(plain) != ids(unpenalised)  # and the penalties changed what was sampled
 
@@ -134,3 +135,12 @@ def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
     again = engines["eagle2"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
     assert len(first.outputs) == 3
     assert [list(c.token_ids) for c in first.outputs] == [list(c.token_ids) for c in again.outputs]
+
+
+def test_model_defaults_that_turn_drafts_off_are_named():
+    from vllm_eagle2.proposer import drafting_blockers
+
+    assert drafting_blockers({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}) == [
+        "repetition_penalty=1.05"
+    ]
+    assert drafting_blockers({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.0}) == []

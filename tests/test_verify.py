@@ -597,3 +597,28 @@ def test_verify_launch_budget():
     # Fixed shape: a chain as deep as the tree costs exactly the same.
     chain = torch.arange(60).expand(4, 60) - 1
     assert _op_counts(lambda: verify_greedy(tokens, chain, logits)) == greedy
+
+
+def test_top_k_top_p_on_the_cuda_path_samples_as_the_cpu_path(monkeypatch):
+    """Off CPU every row is filtered, in groups of requests that bound the sort's memory; the
+    probabilities at the drafted tokens, and so every draw, are the CPU path's."""
+    from vllm_eagle2 import verify_logits
+    from vllm_eagle2.device import CUDA_PATH_ENV
+
+    tokens, parents, logits = _batch(4, 12, 300, seed=3)
+    temperature = torch.tensor([0.7, 1.0, 0.9, 1.3])
+    top_k, top_p = torch.tensor([5, 50, 0, 20]), torch.tensor([0.9, 1.0, 0.8, 0.95])
+
+    def run():
+        gens = {b: torch.Generator().manual_seed(10 + b) for b in range(4)}
+        return verify_tree(
+            tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, generators=gens
+        )
+
+    cpu = run()
+    monkeypatch.setenv(CUDA_PATH_ENV, "1")
+    monkeypatch.setattr(verify_logits, "_FILTER_ELEMS", 2 * 13 * 300)  # groups of two requests
+    cuda = run()
+    assert torch.equal(cuda.output_tokens, cpu.output_tokens)
+    assert torch.equal(cuda.accepted_nodes, cpu.accepted_nodes)
+    assert (cpu.num_accepted > 0).any()  # drafts were accepted, not only residual draws

@@ -43,7 +43,7 @@ from vllm_eagle2.budget import (
     plan_draft,
     step_cost,
 )
-from vllm_eagle2.host import to_device
+from vllm_eagle2.device import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 

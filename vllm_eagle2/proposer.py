@@ -36,9 +36,9 @@ from vllm_eagle2 import attention
 from vllm_eagle2.adaptive import AdaptiveBudget
 from vllm_eagle2.budget import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings
+from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.host import to_device
 from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
 from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
@@ -70,6 +70,26 @@ def supports_tree_drafting(sampling_params: Any) -> bool:
         and sp.structured_outputs is None
         and not getattr(sp, "logits_processors", None)
     )
+
+
+#: Sampling settings the tree verifier does not apply, at their neutral values.
+_NEUTRAL_SAMPLING = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
+
+
+def drafting_blockers(defaults: dict[str, Any]) -> list[str]:
+    """The settings of a model's default sampling parameters (vLLM reads them from its
+    ``generation_config.json``) under which its requests get no drafts, as ``name=value``.
+
+    Qwen's ``repetition_penalty`` 1.05 is one: every request that keeps it is decoded without
+    drafts, which is lossless but no faster.
+    """
+    return [f"{k}={defaults[k]}" for k, v in _NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] != v]
 
 
 def _platform_gemm(lm_head: Any, weight: torch.Tensor) -> Any:
@@ -148,6 +168,14 @@ class Eagle2Proposer(EagleProposer):
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
+        blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
+        if blockers:
+            logger.warning(
+                "eagle2: the model's generation config sets %s by default: requests that keep it are "
+                "decoded without drafts (the tree verifier applies temperature, top-k and top-p only). "
+                "To draft, start vLLM with --generation-config vllm or send neutral values per request.",
+                ", ".join(blockers),
+            )
 
     # -- model ---------------------------------------------------------------------------
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -268,6 +296,7 @@ class Eagle2Proposer(EagleProposer):
             if rid not in self._eligible:
                 state = requests.get(rid)
                 self._eligible[rid] = supports_tree_drafting(getattr(state, "sampling_params", None))
+                self.counters.requests_without_drafts += not self._eligible[rid]
         return [self._eligible[rid] for rid in req_ids]
 
     def forget(self, req_ids: set[str]) -> None:

@@ -25,7 +25,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2 import attention
-from vllm_eagle2.host import to_device
+from vllm_eagle2.device import cuda_path, to_device
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify import verify_tree
 
@@ -329,7 +329,7 @@ def _move_accepted_path(
     moved = on_path & (accepted != k)
     runner.drafter.counters.count_kv_moves(moved)
     slots = runner.input_batch.block_table[0].slot_mapping.gpu[dst].long()
-    if accepted.is_cuda:
+    if cuda_path(accepted.device):
         # Fixed shape, no sync: every (request, depth) pair is written; a no-op writes to slot -1,
         # which the cache writers skip.
         kv_src, kv_slots = kept.clamp(min=0).flatten(), torch.where(moved, slots, -1).flatten()
@@ -362,6 +362,7 @@ class VerifyCounters:
     branched_steps: int = 0  # steps with at least one branching tree
     tree_rows: int = 0  # draft rows recomputed with their tree mask
     narrowed_steps: int = 0  # steps whose topk was cut so that a level fits max_num_batched_tokens
+    requests_without_drafts: int = 0  # requests whose sampling the verifier does not reproduce
     kv_moves: torch.Tensor | None = None  # accepted off-chain nodes whose K/V was moved
 
     def __post_init__(self) -> None:
@@ -379,5 +380,6 @@ class VerifyCounters:
             "branched_steps": self.branched_steps,
             "tree_rows": self.tree_rows,
             "narrowed_steps": self.narrowed_steps,
+            "requests_without_drafts": self.requests_without_drafts,
             "kv_moves": int(self.kv_moves.item()),
         }

@@ -11,13 +11,15 @@ the fused kernel :func:`vllm_eagle2.kernels.vocab_topk` with k = 1, which counts
 +inf logits as -inf: a row holding NaN or +inf target logits then yields an unspecified
 (but valid, in ``[0, V)``) token, where torch's argmax (the CPU path, unchanged) would pick
 the first NaN / +inf. With top-k / top-p the masked distribution is built (a sort over V)
-at the rows that parent a candidate: all rows off CPU, only those on CPU.
+at the rows that parent a candidate: all rows off CPU (in groups of requests, to bound its
+memory), only those on CPU.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_eagle2.device import cuda_path
 from vllm_eagle2.kernels import HAS_TRITON, vocab_topk
 
 __all__ = ["apply_top_k_top_p", "target_probs"]
@@ -28,6 +30,11 @@ __all__ = ["apply_top_k_top_p", "target_probs"]
 _CPU_CHUNK_ELEMS = 1 << 20
 # CPU only: argmax over the vocabulary in blocks of this size (see _argmax_last).
 _CPU_ARGMAX_BLOCK = 256
+# Off CPU: top-k / top-p filtering sorts whole rows; requests are filtered in groups of at most
+# about this many logits, so that its float32 copies and int64 sort indices (~20 bytes a logit)
+# stay near 1 GiB. Filtering every row at once took several GB at B = 64, N + 1 = 61,
+# V = 128,256, memory vLLM's profiling never saw.
+_FILTER_ELEMS = 1 << 26
 
 
 def _argmax_last(x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +124,21 @@ def _filtered_node_probs(
     costs no device sync, only the rows that parent a candidate are (at B = 1, m = 4,
     V = 49,152: 2-3 sorted rows instead of 5).
     """
-    batch, n_rows, _ = logits.shape
-    if logits.device.type != "cpu":
-        full = target_probs(logits, temperature, top_k, top_p)
-        rows = torch.arange(batch, device=logits.device).unsqueeze(1)
-        return full[rows, parent_row, safe_tokens]
+    batch, n_rows, vocab = logits.shape
+    if cuda_path(logits.device):
+        # Fixed shapes per group; the groups follow B (host), so nothing reads the device.
+        group = max(1, _FILTER_ELEMS // (n_rows * vocab))
+        out = []
+        for b0 in range(0, batch, group):
+            sl = slice(b0, b0 + group)
+
+            def part(x: torch.Tensor | None) -> torch.Tensor | None:
+                return None if x is None else x[sl]  # noqa: B023 - used at once, inside this round
+
+            full = target_probs(logits[sl], temperature[sl], part(top_k), part(top_p))
+            rows = torch.arange(full.shape[0], device=logits.device).unsqueeze(1)
+            out.append(full[rows, parent_row[sl], safe_tokens[sl]])
+        return out[0] if len(out) == 1 else torch.cat(out)
     need = torch.zeros(batch, n_rows, dtype=torch.int32).scatter_add_(1, parent_row, candidate.int()) > 0
     b_idx, r_idx = need.nonzero(as_tuple=True)
     if b_idx.numel() == 0:
