@@ -198,6 +198,45 @@ def test_loading_the_entry_point_registers_eagle2(fresh_load):
     assert fresh_load["after"] is True
 
 
+def test_a_patch_that_fails_leaves_vllm_as_it_was():
+    """apply() is all or nothing: a failure in one patch undoes the ones before it."""
+    proc = run_python(
+        """
+import json
+from vllm.config import SpeculativeConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm_eagle2 import patches
+
+before = {name: getattr(GPUModelRunner, name) for name in ("__init__", "execute_model", "_sample")}
+post_init = VllmConfig.__post_init__
+
+def broken():
+    raise AttributeError("vLLM moved something")
+
+patches._patch_engine_core = broken  # the fourth of six: three have run when it fails
+applied = patches.apply()
+literal = str(SpeculativeConfig.__dataclass_fields__["method"].type)
+try:
+    SpeculativeConfig(method="eagle2")
+    built = True
+except Exception:
+    built = False
+print(json.dumps({
+    "applied": applied,
+    "runner_unchanged": all(getattr(GPUModelRunner, n) is f for n, f in before.items()),
+    "config_unchanged": VllmConfig.__post_init__ is post_init and "eagle2" not in literal and not built,
+    "undo_left": len(patches._undo),
+    "error": patches._state["error"],
+}))
+"""
+    )
+    out = last_json_line(proc)
+    assert out["applied"] is False and out["runner_unchanged"] and out["config_unchanged"], out
+    assert out["undo_left"] == 0
+    assert "could not patch vLLM" in out["error"] and "vLLM moved something" in out["error"], out
+
+
 def test_registering_on_a_cuda_platform_imports_nothing_of_vllms_cpu_worker():
     """vLLM's CPU worker module swaps torch.cuda's Event and Stream (and pinning, and the memory
     query) for stand-ins process-wide: on a GPU worker that sized the KV cache from host RAM."""

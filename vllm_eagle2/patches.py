@@ -87,7 +87,10 @@ def unsupported_reason(version: str) -> str | None:
 
 
 def apply() -> bool:
-    """Patch vLLM once; returns False (and logs why) on an unsupported vLLM. Never raises."""
+    """Patch vLLM once; returns False (and logs why) on an unsupported vLLM. Never raises.
+
+    All or nothing: should any patch fail, the ones before it are undone, and an eagle2 config
+    then fails with the reason."""
     if _state["applied"]:
         return True
     if _state["error"] is not None:  # already refused in this process: say it once
@@ -104,14 +107,46 @@ def apply() -> bool:
         logger.error(reason)
         _guard_unsupported_version(reason)
         return False
-    _patch_config()
-    _patch_runner()
-    _patch_workers()
-    _patch_engine_core()
-    _patch_cpu_attention()
-    _patch_cpu_sampling_expansion()
+    try:
+        _patch_config()
+        _patch_runner()
+        _patch_workers()
+        _patch_engine_core()
+        _patch_cpu_attention()
+        _patch_cpu_sampling_expansion()
+    except Exception as exc:  # noqa: BLE001 - all or nothing: vLLM is left as it was
+        _roll_back()
+        _state["error"] = f"vllm-eagle2 could not patch vLLM {vllm.__version__} ({exc!r}); nothing changed"
+        logger.exception(_state["error"])
+        _guard_unsupported_version(_state["error"])
+        return False
+    _undo.clear()
     _state["applied"] = True
     return True
+
+
+#: What :func:`apply` changed so far, as callables that put it back (run in reverse order).
+_undo: list[Any] = []
+_MISSING = object()
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """``setattr(owner, name, value)``, undone by :func:`_roll_back`."""
+    old = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name)
+    _undo.append(lambda: delattr(owner, name) if old is _MISSING else setattr(owner, name, old))
+    setattr(owner, name, value)
+
+
+def _set_item(mapping: dict, key: Any, value: Any) -> None:
+    """``mapping[key] = value``, undone by :func:`_roll_back`."""
+    old = mapping.get(key, _MISSING)
+    _undo.append(lambda: mapping.pop(key) if old is _MISSING else mapping.__setitem__(key, old))
+    mapping[key] = value
+
+
+def _roll_back() -> None:
+    while _undo:
+        _undo.pop()()
 
 
 def _guard_unsupported_version(reason: str) -> None:
@@ -155,9 +190,10 @@ def _patch_config() -> None:
     methods = _literal_values(speculative_module.SpeculativeMethod)
     if "eagle2" not in methods:
         method_type = typing.Literal[tuple(methods) + ("eagle2",)] | None
-        SpeculativeConfig.__annotations__["method"] = method_type
-        SpeculativeConfig.__dataclass_fields__["method"].type = method_type
+        _set_item(SpeculativeConfig.__annotations__, "method", method_type)
+        _set(SpeculativeConfig.__dataclass_fields__["method"], "type", method_type)
         rebuild_dataclass(SpeculativeConfig, force=True)
+        _undo.append(lambda: rebuild_dataclass(SpeculativeConfig, force=True))  # runs after the two above
 
     post_init = SpeculativeConfig.__post_init__
 
@@ -171,9 +207,9 @@ def _patch_config() -> None:
         finally:
             self.method = "eagle2"
 
-    SpeculativeConfig.__post_init__ = __post_init__
+    _set(SpeculativeConfig, "__post_init__", __post_init__)
     use_eagle = SpeculativeConfig.use_eagle
-    SpeculativeConfig.use_eagle = lambda self: self.method == "eagle2" or use_eagle(self)
+    _set(SpeculativeConfig, "use_eagle", lambda self: self.method == "eagle2" or use_eagle(self))
 
     create = EngineArgs.create_speculative_config
 
@@ -218,7 +254,7 @@ def _patch_config() -> None:
             config.update_arch_()
         return config
 
-    EngineArgs.create_speculative_config = create_speculative_config
+    _set(EngineArgs, "create_speculative_config", create_speculative_config)
 
     unsupported = VllmConfig._get_v2_model_runner_unsupported_features
 
@@ -240,7 +276,7 @@ def _patch_config() -> None:
             slots = max(slots, spec.eagle2.draft_kv_slots)
         return slots
 
-    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+    _set(VllmConfig, "num_lookahead_tokens", property(num_lookahead_tokens))
 
     vllm_post_init = VllmConfig.__post_init__
 
@@ -262,7 +298,7 @@ def _patch_config() -> None:
             )
             compilation.cudagraph_mode = new
 
-    VllmConfig.__post_init__ = vllm_config_post_init
+    _set(VllmConfig, "__post_init__", vllm_config_post_init)
 
 
 # -- model runner ---------------------------------------------------------------------------
@@ -386,14 +422,14 @@ def _patch_runner() -> None:
             setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
         return out
 
-    GPUModelRunner.__init__ = __init__
-    GPUModelRunner._update_states = _update_states
-    GPUModelRunner.execute_model = _execute_model
-    GPUModelRunner._prepare_inputs = _prepare_inputs
-    GPUModelRunner.propose_draft_token_ids = _propose_draft_token_ids
-    GPUModelRunner._sample = _sample
-    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
-    GPUModelRunner.sample_tokens = _sample_tokens
+    _set(GPUModelRunner, "__init__", __init__)
+    _set(GPUModelRunner, "_update_states", _update_states)
+    _set(GPUModelRunner, "execute_model", _execute_model)
+    _set(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    _set(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
+    _set(GPUModelRunner, "_sample", _sample)
+    _set(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
+    _set(GPUModelRunner, "sample_tokens", _sample_tokens)
 
 
 def _patch_workers() -> None:
@@ -419,9 +455,9 @@ def _patch_workers() -> None:
                 drafter.calibrate_budget(self.model_runner)
             return out
 
-        cls.compile_or_warm_up_model = compile_or_warm_up_model
-        cls.eagle2_budget_summary = _budget_summary
-        cls.eagle2_stats = _verify_stats
+        _set(cls, "compile_or_warm_up_model", compile_or_warm_up_model)
+        _set(cls, "eagle2_budget_summary", _budget_summary)
+        _set(cls, "eagle2_stats", _verify_stats)
 
 
 def _patch_engine_core() -> None:
@@ -445,8 +481,8 @@ def _patch_engine_core() -> None:
             return  # the drafts came with the step's output (update_from_output took them)
         post_step(self, model_executed)
 
-    Scheduler.update_from_output = _update_from_output
-    EngineCore.post_step = _post_step
+    _set(Scheduler, "update_from_output", _update_from_output)
+    _set(EngineCore, "post_step", _post_step)
 
 
 def _budget_summary(worker: Any) -> dict[str, Any] | None:
@@ -501,7 +537,7 @@ def _patch_cpu_attention() -> None:
         vec = _state.get("cpu_isa_vec") or os.environ.get(VEC_LAYOUT_ENV, "0") == "1"
         return "vec" if isa == "amx" and vec else isa
 
-    cpu_attn._get_attn_isa = _get_attn_isa
+    _set(cpu_attn, "_get_attn_isa", _get_attn_isa)
 
 
 def _patch_cpu_sampling_expansion() -> None:
@@ -513,7 +549,7 @@ def _patch_cpu_sampling_expansion() -> None:
 
     # vLLM registers this module's functions as its CPU kernels after the plugins load
     # (WorkerBase: load_general_plugins, then register_triton_kernel_overrides).
-    cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
+    _set(cpu_triton_utils, "_expand_kernel_impl", _expand_kernel_impl)
 
 
 def _expand_kernel_impl(
