@@ -169,12 +169,33 @@ def test_greedy_on_the_glues_cuda_path_equals_no_speculation(models, prompts, re
     assert_trees_exercised(metrics)
 
 
+def test_head_passes_padded_as_for_a_cuda_graph_stay_exact(models, prompts, reference, monkeypatch):
+    """On a GPU every head pass is padded to a captured CUDA-graph size and replayed; here the
+    padding runs without the graph: rows past the batch with stale inputs and no KV write."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    padded = []
+
+    def pad_to_16(self, num_tokens, use_cudagraphs=True):
+        size = -(-num_tokens // 16) * 16
+        padded.append(size > num_tokens)
+        return CUDAGraphMode.NONE, size, None
+
+    monkeypatch.setattr(Eagle2Proposer, "_determine_batch_execution_and_padding", pad_to_16)
+    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert_trees_exercised(metrics)
+    assert sum(padded) > 10, padded
+
+
 def test_a_level_wider_than_the_token_budget_is_narrowed_and_stays_exact(models, prompts, reference):
-    """8 requests x topk 3 = 24 rows per draft level, over max_num_batched_tokens = 16: the step
-    drafts with topk 2 instead of overflowing the head's input buffers."""
+    """16 tokens a step hold 5 requests of 1 + 2 drafts; 5 x topk 4 = 20 rows per draft level, over
+    max_num_batched_tokens: the step drafts with topk 3 instead of overflowing the head's buffers."""
     outputs, metrics = run_llm(
         models["partial"],
-        eagle2(models["noisy"], **M12),
+        eagle2(models["noisy"], num_speculative_tokens=2, depth=2, topk=4),
         prompts,
         greedy(),
         max_num_batched_tokens=16,

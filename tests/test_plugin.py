@@ -469,6 +469,24 @@ def test_a_quantized_kv_cache_is_refused_at_start_up_naming_the_field(models):
         args.create_engine_config()
 
 
+def test_data_parallel_moe_targets_are_refused_at_start_up(models, monkeypatch):
+    """Each rank drafts its own depth, and vLLM syncs every forward of a DP MoE engine across ranks."""
+    from vllm.config import ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(ModelConfig, "is_moe", property(lambda self: True))
+    args = EngineArgs(
+        model=str(models["target"]),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        data_parallel_size=2,
+        speculative_config=eagle2(models["head"], **KNOBS),
+    )
+    with pytest.raises(Eagle2ConfigError, match="data_parallel_size > 1 with a mixture-of-experts target"):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize(
     "feature, value, words",
     [

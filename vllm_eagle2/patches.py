@@ -224,6 +224,14 @@ def _patch_config() -> None:
                 f"eagle2 needs an unquantized KV cache: kv_cache_dtype must be one of "
                 f"{', '.join(UNQUANTIZED_KV)}; got {kv_dtype!r} (its tree attention reads the cache as is)"
             )
+        if getattr(self, "data_parallel_size", 1) > 1 and target_model_config.is_moe:
+            # vLLM synchronises every forward of a data-parallel MoE engine across its ranks; each
+            # rank's budget picks its own tree depth, so ranks would wait on each other for good.
+            raise Eagle2ConfigError(
+                f"eagle2 does not support data_parallel_size > 1 with a mixture-of-experts target "
+                f"(data_parallel_size={self.data_parallel_size}): every draft pass would have to run "
+                "on every rank in step. Use tensor_parallel_size instead, or vLLM's own eagle."
+            )
         target = TargetShape(
             hidden_size=target_model_config.get_hidden_size(),
             vocab_size=target_model_config.get_vocab_size(),

@@ -410,33 +410,38 @@ class Eagle2Proposer(EagleProposer):
             budget.count_step(plan, [len(d) for d in drafts])
         return drafts
 
-    def _run_head(
-        self,
-        cad: Any,
-        num_tokens: int,
-        *,
-        first_pass: bool,
-        input_ids: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward over ``num_tokens`` rows with ``cad``'s attention metadata."""
+    def _run_head(self, cad: Any, num_tokens: int, *, first_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over ``num_tokens`` rows with ``cad``'s attention metadata; returns
+        (last hidden states, hidden states), each ``[num_tokens, H]``.
+
+        Run as vLLM's own draft loop runs its passes: the inputs come from the proposer's persistent
+        buffers (the first pass fills them in ``set_inputs_first_pass``, a level before calling),
+        padded to a size the dispatcher knows, and replayed from its piecewise CUDA graph where one
+        was captured (vLLM captures the head at start-up). Attention runs between the graph's
+        pieces, so the tree side channel still reaches it.
+        """
         _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
+        mode, padded, across_dp = self._determine_batch_execution_and_padding(num_tokens)
         if first_pass:
-            model_kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+            model_kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, padded, None)
         else:
-            model_kwargs = {"input_ids": input_ids, "positions": positions, "hidden_states": hidden_states}
-            slot_size = num_tokens
+            model_kwargs = {
+                "input_ids": self.input_ids[:padded],
+                "positions": self._get_positions(padded),
+                "hidden_states": self.hidden_states[:padded],
+            }
+            slot_size = padded
         with set_forward_context(
             per_layer,
             self.vllm_config,
-            num_tokens=num_tokens,
+            num_tokens=padded,
+            num_tokens_across_dp=across_dp,
+            cudagraph_runtime_mode=mode,
             slot_mapping=self._get_slot_mapping(slot_size, cad.slot_mapping),
         ):
             out = self.model(**model_kwargs)
-        if not self.model_returns_tuple():
-            return out, out
-        return out
+        last, hidden = out if self.model_returns_tuple() else (out, out)
+        return last[:num_tokens], hidden[:num_tokens]
 
 
 class _TreeExpander:
@@ -524,19 +529,13 @@ class _TreeExpander:
         )
         # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
         # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
-        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise).
+        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
+        # and its CUDA graphs read them.
         p = self.p
         p.input_ids[:num_tokens] = p._token_ids(tokens).flatten()
         p.positions[:num_tokens] = positions.flatten()
         p.hidden_states[:num_tokens] = parent_hidden.flatten(0, 1)
         with attention.tree_batch(level_batch):
-            last_hidden, hidden = p._run_head(
-                cad,
-                num_tokens,
-                first_pass=False,
-                input_ids=p.input_ids[:num_tokens],
-                positions=p.positions[:num_tokens],
-                hidden_states=p.hidden_states[:num_tokens],
-            )
+            last_hidden, hidden = p._run_head(cad, num_tokens, first_pass=False)
         self.parent_hidden = hidden.view(batch, k, -1)
         return self.p._draft_logits(last_hidden).view(batch, k, -1)
