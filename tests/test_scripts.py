@@ -380,7 +380,7 @@ def test_benchmark_times_every_pass_from_an_empty_prefix_cache(monkeypatch) -> N
 
 def test_smoke_check_on_this_cpu_passes_eager_and_compiled() -> None:
     """The GPU smoke check's CPU mode: four engines on the tiny pair, eager and vLLM's default mode."""
-    proc = _run_script("smoke_check.py", "--tiny", timeout=900)
+    proc = _run_script("smoke_check.py", "--tiny", "--num-prompts", "4", "--max-tokens", "32", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("eager ", "compiled "))]
     assert [(r[0], r[1]) for r in rows] == [
