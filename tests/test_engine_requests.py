@@ -48,6 +48,16 @@ def both(engines, prompts, params):
     return [engines[name].generate(prompts, params, use_tqdm=False) for name in ("eagle2", "plain")]
 
 
+def stats(engines) -> dict:
+    """What the eagle2 engine's verification has exercised so far (drafts verified, KV moves)."""
+    llm = engines["eagle2"]
+    return {"drafts": drafts_verified(llm), **llm.collective_rpc("eagle2_stats")[0]}
+
+
+def grew(before: dict, after: dict, *keys: str) -> bool:
+    return all(after[k] > before[k] for k in keys)
+
+
 def prompt(n: int, seed: int = 0) -> dict:
     return {"prompt_token_ids": [(seed * 131 + 7 * i) % 500 + 6 for i in range(n)]}
 
@@ -63,8 +73,10 @@ def ids(outputs):
 
 
 def test_logprobs_of_emitted_tokens_match(engines):
+    before = stats(engines)
     spec, plain = both(engines, [prompt(9), prompt(30, 1)], greedy(logprobs=3))
     assert ids(spec) == ids(plain)
+    assert grew(before, stats(engines), "drafts", "kv_moves")  # logprobs along moved paths too
     for a, b in zip(spec, plain):
         for pos_a, pos_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert set(pos_a) == set(pos_b)
@@ -82,15 +94,19 @@ def test_tiny_max_tokens(engines, max_tokens):
 def test_stop_token_inside_an_accepted_path_ends_the_output_there(engines):
     reference = ids(engines["plain"].generate([prompt(12, 3)], greedy(), use_tqdm=False))[0]
     stop = reference[7]
+    before = stats(engines)
     spec, plain = both(engines, [prompt(12, 3)], greedy(stop_token_ids=[stop]))
     assert ids(spec) == ids(plain)
+    assert grew(before, stats(engines), "drafts")
     assert ids(spec)[0][-1] == stop and len(ids(spec)[0]) == reference.index(stop) + 1
 
 
 def test_prompt_leaving_less_room_than_the_tree(engines):
     # 240 + 16 = max_model_len: the draft tree cannot fit near the end; output must not change.
+    before = stats(engines)
     spec, plain = both(engines, [prompt(240, 4), prompt(8, 5)], greedy(max_tokens=16))
     assert ids(spec) == ids(plain)
+    assert grew(before, stats(engines), "drafts")  # the short prompt still drafts
 
 
 def test_mixed_greedy_and_seeded_sampling_batch(engines):

@@ -36,12 +36,14 @@ def test_placeholders_read_rows_paths_ratios_and_sums(tmp_path: Path) -> None:
     row |= {"speedup": 1.1812, "acceptance_per_pos": [0.531, 0.2149, 0.01], "identical": 8, "compared": 8}
     base = {"label": "eagle2 static m=4 d=2 k=2", "batch_size": 4, "tau": 1.5, "tokens_per_s": 40.0}
     (tmp_path / "run.json").write_text(json.dumps({"all_rows": [row, base], "x": [{"a": 1, "b": 2}]}))
+    (tmp_path / "eager.json").write_text(json.dumps({"all_rows": [dict(row, tau=1.7)]}))
     template = tmp_path / "t.md.in"
     template.write_text(
         "| {{run|eagle2 dynamic m=4 d=2 k=2|tau}} | {{tps}} | {{x}} | {{acc2}} | {{ident}} |\n"
         "| {{run|eagle2 static m=4 d=2 k=2@4|tau}} | "
         "{{|eagle2 dynamic m=4 d=2 k=2|$ratio:static m=4 d=2 k=2@4}} |\n"
         "| {{run|$x.0|a&b:d}} | {{run|eagle2 dynamic m=4 d=2 k=2|$xratio:eagle2 static m=4 d=2 k=2@4}} |\n"
+        "| {{run|eagle2 dynamic m=4 d=2 k=2|$tauof:eager}} |\n"
     )
     results_doc.load.cache_clear()
     try:
@@ -52,6 +54,7 @@ def test_placeholders_read_rows_paths_ratios_and_sums(tmp_path: Path) -> None:
         "| 1.73 | 47.6 | 1.18x | 0.53 / 0.21 | 8/8 |",
         "| 1.50 | 1.16 |",
         "| 3 | 1.19x |",
+        "| 1.021 |",
     ]
     template.write_text("{{run|no such row|tau}}\n")
     with pytest.raises(ValueError, match="no such row"):

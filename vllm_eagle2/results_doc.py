@@ -10,6 +10,8 @@ that is filled from the JSON file a benchmark script wrote:
   (list indices are numbers), e.g. ``{{profile-m8-d4-k2|$runs.1|ms_per_step.verification:.1f}}``;
   ``step_ms`` is a profile run's wall time per engine step.
 * ``$ratio:LABEL``: the row's τ over the τ of row LABEL of the same file (``eagle2 `` may be left out);
+  ``$tauof:FILE``: the row's τ over the τ of the row of the same label in ``results/FILE.json``
+  (e.g. compiled over eager);
   ``$xratio:LABEL``: the same for tokens/s (``$xratio:$runs.0``: over a profile's first run);
   ``KEY&KEY``: a sum.
 * Later placeholders on the same line may leave parts out: ``{{FIELD}}`` reuses the line's last
@@ -96,6 +98,8 @@ def value(name: str, label: str, field: str, results: Path = RESULTS) -> str:
     key, _, fmt = field.rpartition(":")
     if key == "$ratio":  # τ over τ of another row of the same run
         return f"{obj['tau'] / _other(record, fmt, name)['tau']:.2f}"
+    if key == "$tauof":  # τ over τ of the same row in another file
+        return f"{obj['tau'] / find_row(load(fmt, results), label, fmt)['tau']:.3f}"
     if key == "$xratio":  # tokens/s over tokens/s of another row (or profile run) of the same run
         return f"{obj['tokens_per_s'] / _other(record, fmt, name)['tokens_per_s']:.2f}x"
     return format(sum(_path(obj, k) for k in key.split("&")), fmt)

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,20 @@ from vllm_eagle2.bench.config import Target, length_range
 from vllm_eagle2.bench.plot import plot
 from vllm_eagle2.bench.records import Run, result_rows, speedup_text
 from vllm_eagle2.machine import cpu_description, cpu_note
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` when files differ from it; None outside a git checkout."""
+
+    def git(*argv: str) -> str:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", *argv], cwd=here, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "-uno")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.strip() + ("+dirty" if dirty.strip() else "")
 
 
 def load_average() -> list[float]:
@@ -117,6 +132,8 @@ def build_results(
             "range_ratio": args.range_ratio,
             "temperature": args.temperature,
             "dtype": target.dtype,
+            "vllm_mode": "eager" if getattr(args, "enforce_eager", False) else "compiled",
+            "commit": git_commit(),
             "eagle2": {"num_speculative_tokens": m, "depth": d, "topk": k},
             "eagle_k": args.eagle_k,
             "ignore_eos": args.tiny,
