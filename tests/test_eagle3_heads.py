@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import acceptance_length, assert_trees_exercised, run_llm
-from test_engine_lossless import greedy, token_prompts, tokens_of
+from test_engine_lossless import greedy, greedy_reference, token_prompts, tokens_of
 
 from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
 from vllm_eagle2.testing import build_eagle3_head, build_pair
@@ -37,16 +37,8 @@ def prompts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(models, prompts):
-    """The target without speculation: ``reference(mode)``, "eager" or "compiled", run on first use."""
-    done: dict[str, list[list[int]]] = {}
-
-    def get(mode: str = "eager") -> list[list[int]]:
-        if mode not in done:
-            outputs, _ = run_llm(models["target"], None, prompts, greedy(), compiled=mode == "compiled")
-            done[mode] = tokens_of(outputs)
-        return done[mode]
-
-    return get
+    """The target without speculation: ``reference(mode)``, "eager" or "compiled"."""
+    return greedy_reference(models["target"], prompts)
 
 
 def eagle2(head: Path, **knobs) -> dict:
