@@ -175,6 +175,7 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     forward = attention.active_tree_forward()
     if meta is None or max(meta.num_draft_tokens, default=0) == 0:
         return
+    runner.drafter.counters.drafts += sum(meta.num_draft_tokens)
     device = runner.positions.device
     batch = len(meta.num_draft_tokens)
     counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
@@ -359,6 +360,7 @@ class VerifyCounters:
     """
 
     device: torch.device
+    drafts: int = 0  # draft tokens verified
     branched_steps: int = 0  # steps with at least one branching tree
     tree_rows: int = 0  # draft rows recomputed with their tree mask
     narrowed_steps: int = 0  # steps whose topk was cut so that a level fits max_num_batched_tokens
@@ -377,6 +379,7 @@ class VerifyCounters:
 
     def summary(self) -> dict[str, int]:
         return {
+            "drafts": self.drafts,
             "branched_steps": self.branched_steps,
             "tree_rows": self.tree_rows,
             "narrowed_steps": self.narrowed_steps,
