@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from vllm_eagle2.config import UNQUANTIZED_KV_DTYPES
 from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def unsupported_features(impl: Any) -> list[str]:
     if getattr(impl, "sinks", None) is not None:
         found.append("attention sinks")
     kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
-    if kv_dtype not in ("auto", "bfloat16", "float16", "float32", "half", "float"):
+    if kv_dtype not in UNQUANTIZED_KV_DTYPES:
         found.append(f"a quantized KV cache (kv_cache_dtype {kv_dtype})")
     return found
 

@@ -15,6 +15,9 @@ from typing import Any
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.tree import TREE_MODES, pool_size, tree_size
 
+#: ``kv_cache_dtype`` values of an unquantized cache, the only kind eagle2's tree attention reads.
+UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+
 #: The paper's defaults (7-8B targets): m = 60 verified nodes, 6 levels, top-10.
 DEFAULT_DEPTH = 6
 DEFAULT_TOPK = 10

@@ -58,7 +58,13 @@ import os
 import typing
 from typing import Any
 
-from vllm_eagle2.config import EXTRA_KEYS, Eagle2ConfigError, parse_settings, resolve_draft_vocab
+from vllm_eagle2.config import (
+    EXTRA_KEYS,
+    UNQUANTIZED_KV_DTYPES,
+    Eagle2ConfigError,
+    parse_settings,
+    resolve_draft_vocab,
+)
 from vllm_eagle2.head_files import EAGLE3, TargetShape, check_head, draft_method
 
 logger = logging.getLogger("vllm_eagle2")
@@ -70,8 +76,6 @@ FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
 #: Set to 1 to give engines without eagle2 eagle2's bf16 KV layout ("vec" for "amx") too, so
 #: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
 VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
-#: kv_cache_dtype values whose cache eagle2's tree attention reads (no quantized caches).
-UNQUANTIZED_KV = ("auto", "bfloat16", "float16", "float32")
 #: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
 DRAFTS_ATTR = "eagle2_draft_token_ids"
 _state: dict[str, Any] = {"applied": False, "error": None}
@@ -219,10 +223,11 @@ def _patch_config() -> None:
             return create(self, target_model_config, *args, **kwargs)
         settings = parse_settings(spec)
         kv_dtype = str(getattr(self, "kv_cache_dtype", "auto"))
-        if kv_dtype not in UNQUANTIZED_KV:
+        if kv_dtype not in UNQUANTIZED_KV_DTYPES:
             raise Eagle2ConfigError(
                 f"eagle2 needs an unquantized KV cache: kv_cache_dtype must be one of "
-                f"{', '.join(UNQUANTIZED_KV)}; got {kv_dtype!r} (its tree attention reads the cache as is)"
+                f"{', '.join(UNQUANTIZED_KV_DTYPES)}; got {kv_dtype!r} (its tree attention reads the cache "
+                "as is)"
             )
         if getattr(self, "data_parallel_size", 1) > 1 and target_model_config.is_moe:
             # vLLM synchronises every forward of a data-parallel MoE engine across its ranks; each

@@ -59,11 +59,7 @@ def supports_tree_drafting(sampling_params: Any) -> bool:
     if sp is None:
         return True
     return (
-        sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and sp.min_p == 0.0
-        and sp.min_tokens == 0
+        all(getattr(sp, name) == neutral for name, neutral in _NEUTRAL_SAMPLING.items())
         and not sp.logit_bias
         and not sp.allowed_token_ids
         and not sp.bad_words
