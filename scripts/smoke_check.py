@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_eagle2.cpu_env import SCRATCH
 
     if args.tiny:
-        from vllm_eagle2.testing import build_pair
+        from vllm_eagle2.testing import build_pair, stored
 
-        args.model, args.head = build_pair(SCRATCH / "smoke" / "tiny", "partial", seed=0)
+        pair = build_pair(SCRATCH / "smoke" / "tiny", "partial", seed=0)
+        args.model, args.head = (stored(p) for p in pair)
         lengths = [3, 120, 17, 64, 9, 33, 90, 5]
         prompts = [{"prompt_token_ids": [(7 * i + 13 * n) % 500 + 6 for i in range(n)]} for n in lengths]
         prompts = prompts[: args.num_prompts]

@@ -41,6 +41,12 @@ def run_llm(
     from vllm import LLM
 
     from vllm_eagle2.engine import scoped_env
+    from vllm_eagle2.testing import stored
+
+    # Same model, same path: compiled engines of one tiny model share vLLM's compile cache.
+    target = stored(target)
+    if spec is not None and "model" in spec:
+        spec = {**spec, "model": str(stored(spec["model"]))}
 
     kwargs: dict[str, Any] = dict(
         model=str(target),

@@ -17,18 +17,22 @@ MAX_MODEL_LEN = 256
 
 
 def make_llm(target, spec):
+    """An engine whose core runs in this process: it starts in half the time of its own process."""
     from vllm import LLM
 
-    return LLM(
-        model=str(target),
-        speculative_config=spec,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=8,
-        seed=0,
-        disable_log_stats=False,
-    )
+    from vllm_eagle2.engine import scoped_env
+
+    with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        return LLM(
+            model=str(target),
+            speculative_config=spec,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            seed=0,
+            disable_log_stats=False,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,19 @@
 """Tests of the seeded tiny models (vllm_eagle2.testing): determinism, oracle exactness, and vLLM.
 
-The vLLM part runs three engines one after another in this process (about 1-2 minutes on 2 cores):
+The vLLM part runs three engines one after another, their cores in this process (under a minute):
 random target without speculation, the same target with vLLM's built-in ``eagle`` method (greedy output
 must be identical), and the oracle pair with ``eagle`` (mean acceptance length must be ~1 + k).
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import acceptance_length, run_llm
 
 from vllm_eagle2.testing import (
     build_eagle_head,
@@ -116,31 +116,12 @@ MAX_TOKENS = 48
 
 
 def _run_llm(target: Path, head: Path | None) -> tuple[list[list[int]], dict[str, float]]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    spec = (
-        None if head is None else {"method": "eagle", "model": str(head), "num_speculative_tokens": NUM_SPEC}
-    )
-    llm = LLM(
-        model=str(target),
-        speculative_config=spec,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-        disable_log_stats=False,
-    )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    return tokens, metrics
+    spec = None if head is None else dict(method="eagle", model=str(head), num_speculative_tokens=NUM_SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs, metrics = run_llm(target, spec, PROMPTS, params)
+    return [list(o.outputs[0].token_ids) for o in outputs], metrics
 
 
 @pytest.fixture(scope="module")
@@ -159,21 +140,15 @@ def vllm_runs(
     }
 
 
-def _acceptance_length(metrics: dict[str, float]) -> float:
-    drafts = metrics["vllm:spec_decode_num_drafts"]
-    assert drafts > 0
-    return 1.0 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
-
-
 def test_vllm_eagle_greedy_is_lossless_and_oracle_accepts_all(vllm_runs) -> None:
     base, _ = vllm_runs["random/nospec"]
     spec, spec_metrics = vllm_runs["random/eagle"]
     assert all(len(t) == MAX_TOKENS for t in base)
     assert spec == base
     # the random-target head is partly right: both acceptance and rejection happen
-    assert 1.0 < _acceptance_length(spec_metrics) < 1.0 + NUM_SPEC
+    assert 1.0 < acceptance_length(spec_metrics) < 1.0 + NUM_SPEC
 
     _, oracle_metrics = vllm_runs["oracle/eagle"]
-    tau = _acceptance_length(oracle_metrics)
-    print(f"acceptance length: random target {_acceptance_length(spec_metrics):.3f}, oracle pair {tau:.3f}")
+    tau = acceptance_length(oracle_metrics)
+    print(f"acceptance length: random target {acceptance_length(spec_metrics):.3f}, oracle pair {tau:.3f}")
     assert tau > 1.0 + NUM_SPEC - 0.2, tau

@@ -7,6 +7,8 @@ saved as a folder that vLLM (and transformers) can load:
 - :mod:`vllm_eagle2.testing.targets`: :func:`build_tokenizer` and :func:`build_target`.
 - :mod:`vllm_eagle2.testing.heads`: :func:`build_eagle_head` and :func:`build_pair`.
 - :mod:`vllm_eagle2.testing.eagle3_heads`: :func:`build_eagle3_head` (vLLM's ``eagle3`` format).
+- :mod:`vllm_eagle2.testing.store`: :func:`stored`, a content-addressed copy of a built folder (vLLM's
+  compile cache is keyed by the model's path).
 - :mod:`vllm_eagle2.testing.reference`: :class:`EagleHeadReference` / :func:`teacher_forced_agreement`, a
   plain-torch twin of vLLM's EAGLE head forward (kept independent of the trainer's head on purpose: the
   tests check the trainer against it), to measure how often a head's greedy draft equals the target's
@@ -50,6 +52,7 @@ from __future__ import annotations
 from vllm_eagle2.testing.eagle3_heads import build_eagle3_head
 from vllm_eagle2.testing.heads import build_eagle_head, build_pair
 from vllm_eagle2.testing.reference import EagleHeadReference, teacher_forced_agreement
+from vllm_eagle2.testing.store import stored
 from vllm_eagle2.testing.targets import build_target, build_tokenizer
 
 __all__ = [
@@ -60,4 +63,5 @@ __all__ = [
     "build_pair",
     "EagleHeadReference",
     "teacher_forced_agreement",
+    "stored",
 ]
