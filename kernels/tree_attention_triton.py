@@ -100,6 +100,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def default_block_q(max_q: int, g: int) -> int:
+    """Query tokens per tile for requests of at most ``max_q`` queries and ``g`` query heads per
+    kv head: 64 rows (one Hopper warpgroup's MMA height), >= 16 rows for tl.dot, and no more
+    query tokens than a request can have. With ``num_splits == 1`` or not, the only constexpr
+    that follows the batch (:mod:`.warmup` compiles each value at engine start)."""
+    block_g = _next_pow2(g)
+    return max(16 // block_g, min(_next_pow2(max(max_q, 1)), 64 // block_g), 1)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_SMS
@@ -148,9 +157,7 @@ def _make_plan(
     block_g = _next_pow2(g)
     block_d = max(16, _next_pow2(d))
     if block_q is None:
-        # 64 rows (one Hopper warpgroup's MMA height), >= 16 rows for tl.dot, and no more
-        # query tokens than a request can have.
-        block_q = max(16 // block_g, min(_next_pow2(max(mask.shape[1], 1)), 64 // block_g), 1)
+        block_q = default_block_q(mask.shape[1], g)
     if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
     if block_n is None:

@@ -13,7 +13,9 @@ from ._triton import HAS_TRITON, tl, triton
 if HAS_TRITON:
     from .tree_attention_triton_steps import _context_loop, _load_query_tile, _split_chunk
 
-    @triton.jit
+    # Ints that follow the batch (split count, block-table and mask widths) stay out of Triton's
+    # specialisation: the constexprs alone pick the variant (see .warmup).
+    @triton.jit(do_not_specialize=["num_splits", "stride_btr", "max_blocks"])
     def _ctx_split_kernel(
         q_ptr,  # [Q, H, D] strided
         k_ptr,  # [num_blocks, Hkv, block_size, D] strided
@@ -103,7 +105,9 @@ if HAS_TRITON:
         tl.store(ml_ptr + part * (2 * BLOCK_M) + offs_m, m_i)
         tl.store(ml_ptr + part * (2 * BLOCK_M) + BLOCK_M + offs_m, l_i)
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["num_splits", "stride_btr", "stride_mr", "stride_mq", "max_blocks", "max_q", "W"]
+    )
     def _region_merge_kernel(
         q_ptr,  # [Q, H, D] strided
         k_ptr,  # [num_blocks, Hkv, block_size, D] strided

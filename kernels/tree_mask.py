@@ -221,8 +221,8 @@ def _dense_depths_torch(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 # --------------------------------------------------------------------------- #
 
 if HAS_TRITON:
-
-    @triton.jit
+    # N and W follow the tree width: kept out of specialisation, the blocks alone pick the variant.
+    @triton.jit(do_not_specialize=["N", "W"])
     def _tree_mask_kernel(
         parents_ptr,  # [B, N] any integer dtype, contiguous
         packed_ptr,  # [B, N, W] int32, contiguous (output)
@@ -271,6 +271,17 @@ if HAS_TRITON:
         )
 
 
+def mask_blocks(n: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_W) of the mask kernel for trees of ``n`` nodes: its only constexprs."""
+    block_w = max(1, _next_pow2((n + _BITS - 1) // _BITS))
+    # Keep the [BLOCK_N, BLOCK_W] register tile small.
+    return max(1, min(_next_pow2(n), max(1, 2048 // block_w), 64)), block_w
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _packed_depths_triton(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' requested but triton is not importable")
@@ -282,9 +293,7 @@ def _packed_depths_triton(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     depths = torch.empty(b, n, dtype=torch.int64, device=parents.device)
     if b == 0 or n == 0:
         return packed, depths
-    block_w = max(1, triton.next_power_of_2(w))
-    # Keep the [BLOCK_N, BLOCK_W] register tile small.
-    block_n = max(1, min(triton.next_power_of_2(n), max(1, 2048 // block_w), 64))
+    block_n, block_w = mask_blocks(n)
     grid = (b, triton.cdiv(n, block_n))
     _tree_mask_kernel[grid](parents.contiguous(), packed, depths, n, w, BLOCK_N=block_n, BLOCK_W=block_w)
     return packed, depths

@@ -217,7 +217,8 @@ if HAS_TRITON:
         tl.store(part_max_ptr + row * num_chunks + chunk, run_max)
         tl.store(part_sum_ptr + row * num_chunks + chunk, run_sum)
 
-    @triton.jit
+    # Row-dependent ints stay out of Triton's specialisation (one variant per chunk count).
+    @triton.jit(do_not_specialize=["num_cand", "num_chunks"])
     def _merge_topk_kernel(
         cand_val_ptr,  # [R, C*K] float32
         cand_idx_ptr,  # [R, C*K] int32
@@ -262,6 +263,19 @@ def _num_programs_target(device: torch.device) -> int:
     return 8
 
 
+def chunk_plan(rows: int, vocab: int, device: torch.device, tile: int = _TILE) -> tuple[int, int]:
+    """(num_chunks, chunk_len) of stage 1 for ``rows`` rows: whole tiles per chunk, no empty chunk.
+
+    The count is a power of two (at most cdiv(V, tile)) so that the merge kernel's constexprs
+    (``CP``, ``CHP``) take a handful of values over every row count: :mod:`.warmup` compiles them
+    all at engine start.
+    """
+    want = max(1, min(triton.cdiv(vocab, tile), triton.cdiv(_num_programs_target(device), max(rows, 1))))
+    num_chunks = 1 << (want.bit_length() - 1)
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), tile) * tile
+    return triton.cdiv(vocab, chunk_len), chunk_len
+
+
 def _vocab_topk_triton(
     logits: torch.Tensor,
     k: int,
@@ -280,12 +294,10 @@ def _vocab_topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if num_chunks is None:
-        num_chunks = max(
-            1, min(triton.cdiv(vocab, tile), triton.cdiv(_num_programs_target(logits.device), rows))
-        )
-    # Whole tiles per chunk; recompute the count so that no chunk is empty.
-    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), tile) * tile
-    num_chunks = triton.cdiv(vocab, chunk_len)
+        num_chunks, chunk_len = chunk_plan(rows, vocab, logits.device, tile)
+    else:
+        chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), tile) * tile
+        num_chunks = triton.cdiv(vocab, chunk_len)
 
     device = logits.device
     cand_val = torch.empty(rows, num_chunks, k, dtype=torch.float32, device=device)

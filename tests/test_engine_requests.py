@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 from vllm_eagle2.testing import build_pair
 
@@ -160,3 +161,30 @@ def test_model_defaults_that_turn_drafts_off_are_named():
         "repetition_penalty=1.05"
     ]
     assert drafting_blockers({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.0}) == []
+
+
+def _warm_up_on_this_cpu(worker) -> dict:
+    """In the worker: the drafter's kernel limits and caches, warmed up under the Triton
+    interpreter as the GPU worker does it before vLLM's JIT monitor starts."""
+    from vllm_eagle2.kernels.warmup import warm_up_kernels
+
+    from vllm_eagle2 import attention
+
+    drafter = worker.model_runner.drafter
+    limits = drafter.kernel_limits()
+    caches = attention.tree_caches(drafter.vllm_config.compilation_config.static_forward_context)
+    launches = warm_up_kernels(limits, drafter.device, caches)
+    return {"limits": limits, "caches": [c.key_cache.shape for c in caches], "launches": launches}
+
+
+def test_kernel_warm_up_reads_its_limits_and_caches_from_the_engine(engines):
+    """The glue of the GPU worker's warm-up, run on this engine's own head, target and caches
+    (m=12 d=4 k=3: a verified tree of 13 rows with its root, a draft level of 3 queries over
+    a region of 9 + 3)."""
+    out = engines["eagle2"].collective_rpc(_warm_up_on_this_cpu)[0]
+    limits = out["limits"]
+    assert (limits.draft_vocab, limits.target_vocab, limits.max_topk, limits.max_nodes) == (512, 512, 3, 13)
+    assert limits.draft_dtype == torch.float32 and limits.target_dtypes == (torch.float32,)
+    assert limits.max_rows == engines["eagle2"].llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert out["caches"] and all(shape[1:] == (2, 128, 32) for shape in out["caches"]), out["caches"]
+    assert out["launches"] > 0

@@ -71,3 +71,31 @@ def test_training_attention_packed_on_device_equals_per_sequence() -> None:
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=2e-3)
+
+
+def _compiled_variants() -> int:
+    """Kernels Triton has compiled so far, over every kernel of the step."""
+    from test_kernel_warmup import KERNELS
+
+    return sum(len(c[0]) for module, name in KERNELS for c in getattr(module, name).device_caches.values())
+
+
+def test_after_the_warm_up_no_step_shape_compiles_a_kernel() -> None:
+    """The warm-up compiles every variant: launches at every shape a step makes compile nothing
+    (counted in Triton's own per-device kernel caches), in the model's bf16 and in float32."""
+    import dataclasses
+
+    from test_kernel_warmup import LIMITS, _cache, serve_every_shape
+    from vllm_eagle2.kernels.warmup import warm_up_kernels
+
+    device = torch.device("cuda")
+    limits = dataclasses.replace(
+        LIMITS, draft_dtype=torch.bfloat16, target_dtypes=(torch.bfloat16, torch.float32), max_rows=600
+    )
+    cache = _cache(device, torch.bfloat16)
+    warm_up_kernels(limits, device, [cache])
+    torch.cuda.synchronize()
+    warmed = _compiled_variants()
+    serve_every_shape(cache, limits)
+    torch.cuda.synchronize()
+    assert _compiled_variants() == warmed

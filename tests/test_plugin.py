@@ -237,6 +237,27 @@ print(json.dumps({
     assert "could not patch vLLM" in out["error"] and "vLLM moved something" in out["error"], out
 
 
+def test_the_gpu_worker_warms_eagle2_kernels_up_just_before_vllms_jit_monitor_starts(monkeypatch):
+    """The Triton variants compile inside vLLM's warm-up, not in the first requests."""
+    import vllm.utils.jit_monitor
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_eagle2 import patches
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    assert patches.apply()
+    calls = []
+    monkeypatch.setattr(Eagle2Proposer, "warm_up_kernels", lambda self: calls.append("eagle2 warm-up") or 1)
+    monkeypatch.setattr(vllm.utils.jit_monitor, "activate", lambda **kwargs: calls.append("jit monitor"))
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(drafter=Eagle2Proposer.__new__(Eagle2Proposer)),
+        vllm_config=SimpleNamespace(kernel_config=SimpleNamespace(enable_jit_warmup=True)),
+        observability_config=SimpleNamespace(jit_monitor_mode="warn", jit_monitor_verbose=False),
+    )
+    Worker._maybe_activate_jit_monitor(worker)
+    assert calls == ["eagle2 warm-up", "jit monitor"]
+
+
 def test_registering_on_a_cuda_platform_imports_nothing_of_vllms_cpu_worker():
     """vLLM's CPU worker module swaps torch.cuda's Event and Stream (and pinning, and the memory
     query) for stand-ins process-wide: on a GPU worker that sized the KV cache from host RAM."""

@@ -38,6 +38,7 @@ import torch
 
 from vllm_eagle2.config import UNQUANTIZED_KV_DTYPES
 from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
+from vllm_eagle2.kernels.warmup import AttentionCache
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,20 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
         if stock_update is not None:
             impl.do_kv_cache_update = do_kv_cache_update
         impl._eagle2_wrapped = True
+
+
+def tree_caches(layers: dict[str, Any]) -> list[AttentionCache]:
+    """The cache views tree attention reads, one layer per distinct geometry, dtype and strides
+    (what a kernel variant depends on): the target's layers and the head's."""
+    found: dict[tuple, AttentionCache] = {}
+    for layer in layers.values():
+        kv_cache = getattr(layer, "kv_cache", None)
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+            continue
+        key_cache, value_cache = kv_cache_views(kv_cache, _layout_of(layer.impl))
+        signature = (key_cache.shape[1:], key_cache.stride(), key_cache.dtype, layer.impl.num_heads)
+        found.setdefault(signature, AttentionCache(key_cache, value_cache, layer.impl.num_heads))
+    return list(found.values())
 
 
 def move_kv(

@@ -38,7 +38,9 @@ What is patched (vLLM 0.32, file:function):
   ``compile_or_warm_up_model`` (importing the CPU worker swaps torch.cuda's classes for
   stand-ins process-wide): with eagle2's adaptive budget, after the warm-up, the
   drafter times the target and one draft level (the budget's start-up calibration); and a
-  method ``eagle2_budget_summary`` for ``LLM.collective_rpc``, the budget's counters.
+  method ``eagle2_budget_summary`` for ``LLM.collective_rpc``, the budget's counters. On the GPU
+  worker also ``_maybe_activate_jit_monitor``, its last warm-up act: every Triton variant of
+  eagle2's kernels compiles just before vLLM starts watching for compiles mid-serving.
 * ``v1/attention/backends/cpu_attn.py`` (CPU only): with eagle2 (or with ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1``)
   the bf16 "amx" KV layout is replaced by the "vec" layout, which the tree attention reads.
 * ``utils/cpu_triton_utils.py`` _expand_kernel_impl (the CPU build's ``expand_kernel`` of
@@ -471,6 +473,17 @@ def _patch_workers() -> None:
         _set(cls, "compile_or_warm_up_model", compile_or_warm_up_model)
         _set(cls, "eagle2_budget_summary", _budget_summary)
         _set(cls, "eagle2_stats", _verify_stats)
+
+    # The GPU worker's last warm-up act: eagle2's kernel variants compile just before it.
+    activate_monitor = Worker._maybe_activate_jit_monitor
+
+    def _maybe_activate_jit_monitor(self, *args, **kwargs):
+        drafter = getattr(self.model_runner, "drafter", None)
+        if isinstance(drafter, Eagle2Proposer):
+            drafter.warm_up_kernels()
+        return activate_monitor(self, *args, **kwargs)
+
+    _set(Worker, "_maybe_activate_jit_monitor", _maybe_activate_jit_monitor)
 
 
 def _patch_engine_core() -> None:

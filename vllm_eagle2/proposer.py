@@ -39,7 +39,8 @@ from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.kernels import pack_tree_mask, vocab_topk
+from vllm_eagle2.kernels import HAS_TRITON, pack_tree_mask, vocab_topk
+from vllm_eagle2.kernels.warmup import StepLimits, warm_up_kernels
 from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
@@ -233,6 +234,39 @@ class Eagle2Proposer(EagleProposer):
                 draft_index >= 0, draft_index + self.d2t[draft_index.clamp(min=0)], draft_index
             )
         return draft_index
+
+    def kernel_limits(self) -> StepLimits:
+        """What bounds this engine's kernel shapes (kernels/warmup.py), read from one row of
+        each logits producer (their widths and dtypes, whatever the head format)."""
+        s = self.settings
+        with torch.inference_mode():
+            draft = self._draft_logits(torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device))
+            hidden = self.runner.model_config.get_hidden_size()
+            target = self.runner.model.compute_logits(
+                torch.zeros(1, hidden, dtype=self.dtype, device=self.device)
+            )
+        return StepLimits(
+            draft_vocab=draft.shape[-1],
+            draft_dtype=draft.dtype,
+            target_vocab=target.shape[-1],
+            # vLLM's logits processors hand the sampler float32 logits.
+            target_dtypes=tuple(dict.fromkeys((target.dtype, torch.float32))),
+            max_topk=1 if s.tree == "chain" else s.topk,
+            # The verified tree with its root, or a draft level's region and its queries.
+            max_nodes=max(s.nodes_per_step, s.draft_kv_slots + s.topk) + 1,
+            max_rows=self.runner.scheduler_config.max_num_batched_tokens,
+        )
+
+    def warm_up_kernels(self) -> int:
+        """Compile every Triton variant a step can launch, before vLLM's JIT monitor starts
+        watching; returns the launches (0 where the kernels' torch twins run)."""
+        if self.device.type != "cuda" or not HAS_TRITON:
+            return 0
+        layers = self.vllm_config.compilation_config.static_forward_context
+        start = time.perf_counter()
+        launches = warm_up_kernels(self.kernel_limits(), self.device, attention.tree_caches(layers))
+        logger.info("eagle2: %d kernel variants warmed up in %.1f s", launches, time.perf_counter() - start)
+        return launches
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self._calibrating:
