@@ -14,6 +14,23 @@ configure_cpu_env()  # before vllm is imported anywhere
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors only this way
 
 
+def freeze_heap() -> None:
+    """Put every live object out of the garbage collector's reach (``gc.freeze``).
+
+    vLLM runs a full ``gc.collect()`` about ten times per engine start and stop; in this process,
+    which holds torch, vLLM and transformers, each scanned the whole heap: 6.5 s of a tiny
+    engine's 8.8 s (measured, 2 cores). Frozen objects are skipped, so a collection scans only
+    what is new. vLLM's shutdown unfreezes the heap; :func:`run_llm` freezes it again.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+import vllm.entrypoints.llm  # noqa: E402, F401 - its modules are frozen with the rest
+
+freeze_heap()
+
+
 def run_llm(
     target: Path,
     spec: dict[str, Any] | None,
@@ -71,7 +88,7 @@ def run_llm(
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            gc.collect()
+            freeze_heap()
     return outputs, metrics
 
 

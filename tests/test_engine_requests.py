@@ -7,10 +7,9 @@ than the tree in max_model_len, and mixed greedy/sampled batches.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+from conftest import freeze_heap
 
 from vllm_eagle2.testing import build_pair
 
@@ -46,7 +45,7 @@ def engines(tmp_path_factory):
     for llm in llms.values():
         llm.llm_engine.engine_core.shutdown()
     llms.clear()
-    gc.collect()
+    freeze_heap()
 
 
 def both(engines, prompts, params):
