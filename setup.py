@@ -9,18 +9,25 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # The Triton kernels live in the top-level kernels/ folder but install as
+    # vllm_eagle2 is the plugin, loaded into every vLLM process; it imports nothing of
+    # vllm_eagle2_tools (benchmarks, training, soak, test fixtures), whose dependencies are the
+    # extras below. The Triton kernels live in the top-level kernels/ folder but install as
     # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
-    # vllm_eagle2.testing holds test fixtures (seeded tiny models), shipped for the scripts' --tiny runs.
     packages=[
         "vllm_eagle2",
         "vllm_eagle2.kernels",
-        "vllm_eagle2.training",
-        "vllm_eagle2.testing",
-        "vllm_eagle2.bench",
-        "vllm_eagle2.soak",
+        "vllm_eagle2.patches",
+        "vllm_eagle2_tools",
+        "vllm_eagle2_tools.training",
+        "vllm_eagle2_tools.testing",
+        "vllm_eagle2_tools.bench",
+        "vllm_eagle2_tools.soak",
     ],
-    package_dir={"vllm_eagle2": "vllm_eagle2", "vllm_eagle2.kernels": "kernels"},
+    package_dir={
+        "vllm_eagle2": "vllm_eagle2",
+        "vllm_eagle2.kernels": "kernels",
+        "vllm_eagle2_tools": "vllm_eagle2_tools",
+    },
     # The C++ CPU kernel is compiled on first use, from its source.
     package_data={"vllm_eagle2.kernels": ["csrc/*.cpp"]},
     install_requires=["torch", "transformers", "safetensors", "tqdm"],
@@ -36,6 +43,6 @@ setup(
     entry_points={
         "vllm.general_plugins": ["eagle2 = vllm_eagle2:register"],
         # The same as scripts/benchmark.py (same options).
-        "console_scripts": ["vllm-eagle2-bench = vllm_eagle2.bench.cli:main"],
+        "console_scripts": ["vllm-eagle2-bench = vllm_eagle2_tools.bench.cli:main"],
     },
 )

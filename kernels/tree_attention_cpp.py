@@ -19,7 +19,7 @@ from ._cpp import load_cpu_ops
 
 __all__ = ["CPU_BACKEND_ENV", "cpu_backend", "paged_tree_attention_cpp"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 #: Environment variable that picks the CPU backend of ``backend="auto"`` (unset: cpp, else torch).
 CPU_BACKEND_ENV = "VLLM_EAGLE2_CPU_ATTENTION"

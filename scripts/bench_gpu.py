@@ -1,6 +1,6 @@
 """Time eagle2's engine-independent step pieces on a CUDA device, or check its kernels there.
 
-Runs with torch and Triton alone (no vLLM): see :mod:`vllm_eagle2.gpu_bench` for what each row
+Runs with torch and Triton alone (no vLLM): see :mod:`vllm_eagle2_tools.gpu_bench` for what each row
 times. Defaults are Llama-3-8B's shapes (V 128,256, 32 query heads, 8 KV heads, head size 128,
 bf16) and the paper's tree (depth 6, topk 10, m 60).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_eagle2.gpu_bench import Shapes, Timing, bench_attention, bench_tree_core, run_checks
+from vllm_eagle2_tools.gpu_bench import Shapes, Timing, bench_attention, bench_tree_core, run_checks
 
 TINY = Shapes(vocab=2000, depth=3, topk=4, num_tokens=12, heads=4, kv_heads=2, head_size=32)
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig
 
-from vllm_eagle2.training import head as head_module
-from vllm_eagle2.training.head import EagleHead, head_config
-from vllm_eagle2.training.loss import Batch, batch_loss
+from vllm_eagle2_tools.training import head as head_module
+from vllm_eagle2_tools.training.head import EagleHead, head_config
+from vllm_eagle2_tools.training.loss import Batch, batch_loss
 
 SMOLLM2_135M = dict(
     hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

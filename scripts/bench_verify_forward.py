@@ -31,9 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from vllm_eagle2.kernels import CPU_BACKEND_ENV
-
-from vllm_eagle2.cpu_env import configure_cpu_env
-from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
+from vllm_eagle2_tools.cpu_env import configure_cpu_env
+from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def _timed_forwards() -> dict[int, list[float]]:
@@ -113,7 +112,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the timing hook must reach the runner
     times = _timed_forwards()
     if args.tiny:
-        from vllm_eagle2.testing import build_pair
+        from vllm_eagle2_tools.testing import build_pair
 
         model, head = map(str, build_pair(Path(tempfile.mkdtemp()), "partial", seed=0))
     else:

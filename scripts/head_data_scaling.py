@@ -19,7 +19,7 @@ Writes ``FILE.json`` (every head's metrics and the fits), ``FILE.md`` (a table) 
 
 import sys
 
-from vllm_eagle2.head_scaling import main
+from vllm_eagle2_tools.head_scaling import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Regenerate ``docs/results.md`` from ``docs/results.md.in`` and ``results/*.json``.
 
 Every number of the doc's tables is read from the JSON a benchmark script wrote (see
-``vllm_eagle2/results_doc.py`` for the placeholders); edit the template's prose, never the output::
+``vllm_eagle2_tools/results_doc.py`` for the placeholders); edit the template's prose, never the output::
 
     .venv/bin/python scripts/make_results_doc.py          # write docs/results.md
     .venv/bin/python scripts/make_results_doc.py --check  # exit 1 if docs/results.md is stale
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_eagle2 import results_doc
+from vllm_eagle2_tools import results_doc
 
 
 def main(argv: list[str] | None = None) -> int:

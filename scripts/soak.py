@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_eagle2.soak import TINY_TREE, log, soak
+from vllm_eagle2_tools.soak import TINY_TREE, log, soak
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

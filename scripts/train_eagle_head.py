@@ -1,7 +1,8 @@
 """Train an EAGLE-1/EAGLE-2 draft head for a Llama-family target, in vLLM's ``eagle`` head format.
 
-The command line of ``vllm_eagle2.training``: options in ``vllm_eagle2/training/cli.py``, the pipeline
-(data, features, head, loss, schedule, output folder) described in ``vllm_eagle2/training/recipe.py``
+The command line of ``vllm_eagle2_tools.training``: options in ``vllm_eagle2_tools/training/cli.py``,
+the pipeline (data, features, head, loss, schedule, output folder) described in
+``vllm_eagle2_tools/training/recipe.py``
 and printed by ``--help``.
 
 Example (about 20 minutes on 2 CPU cores)::
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from vllm_eagle2.training.cli import main
+from vllm_eagle2_tools.training.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

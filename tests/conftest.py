@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_eagle2.cpu_env import configure_cpu_env
+from vllm_eagle2_tools.cpu_env import configure_cpu_env
 
 configure_cpu_env()  # before vllm is imported anywhere
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors only this way
@@ -57,8 +57,8 @@ def run_llm(
     """
     from vllm import LLM
 
-    from vllm_eagle2.engine import scoped_env
-    from vllm_eagle2.testing import stored
+    from vllm_eagle2_tools.engine import scoped_env
+    from vllm_eagle2_tools.testing import stored
 
     # Same model, same path: compiled engines of one tiny model share vLLM's compile cache.
     target = stored(target)

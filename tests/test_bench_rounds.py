@@ -10,9 +10,9 @@ import argparse
 
 import pytest
 
-from vllm_eagle2.bench import engines
-from vllm_eagle2.bench.records import Run, result_rows
-from vllm_eagle2.bench.report import markdown_table
+from vllm_eagle2_tools.bench import engines
+from vllm_eagle2_tools.bench.records import Run, result_rows
+from vllm_eagle2_tools.bench.report import markdown_table
 
 SPEC = {"method": "eagle2", "model": "head"}
 
@@ -164,7 +164,7 @@ def test_an_engines_own_metrics_come_back_after_a_later_engine_unregistered_them
     from prometheus_client import REGISTRY, Counter
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-    from vllm_eagle2.engine import own_metrics, use_metrics
+    from vllm_eagle2_tools.engine import own_metrics, use_metrics
 
     counter = Counter("vllm:test_drafts", "drafts of a first engine")
     try:

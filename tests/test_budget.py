@@ -14,13 +14,13 @@ import torch
 from vllm_eagle2.budget import (
     NO_DRAFTS,
     AcceptanceModel,
-    CostCurve,
     DraftPlan,
     allocate_nodes,
     expected_accepted,
     plan_draft,
     step_cost,
 )
+from vllm_eagle2.costs import CostCurve
 
 
 def linear_curve(max_tokens: int, fixed: float, per_token: float) -> CostCurve:
@@ -434,16 +434,23 @@ def test_a_tree_size_not_run_follows_the_drafting_passes_that_are():
     assert budget._costs()["verify"](4) == pytest.approx(1.5 * before, rel=0.15)
 
 
-def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
+def fake_clock(monkeypatch) -> list[float]:
+    """The budget's times and its Clock's read ``now[0]`` seconds; returns ``now``."""
     from types import SimpleNamespace
 
-    from vllm_eagle2 import adaptive
-    from vllm_eagle2.budget import NO_DRAFTS
+    from vllm_eagle2 import adaptive, costs
 
     now = [0.0]
-    monkeypatch.setattr(
-        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
-    )
+    clock = SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
+    for module in (adaptive, costs):
+        monkeypatch.setattr(module, "time", clock)
+    return now
+
+
+def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
+    from vllm_eagle2.budget import NO_DRAFTS
+
+    now = fake_clock(monkeypatch)
     budget = make_budget()
     before = budget._costs()["target"](np.array([4.0, 256.0]))
     for _ in range(20):  # a prompt chunk of 252 tokens beside 4 decoding requests, priced 10x
@@ -455,14 +462,7 @@ def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
 
 
 def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
-    from types import SimpleNamespace
-
-    from vllm_eagle2 import adaptive
-
-    now = [0.0]
-    monkeypatch.setattr(
-        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
-    )
+    now = fake_clock(monkeypatch)
     budget = make_budget()
 
     def step(seconds: float, gap: float) -> None:  # a 4-token pass, the drafter, vLLM's turn
@@ -490,15 +490,9 @@ def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
 def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price(monkeypatch):
     """The head's catch-up pass over a prompt (in the overhead of a step without drafts, in the
     root level of a drafting one) is paid whatever the step drafts: it must not price either."""
-    from types import SimpleNamespace
-
-    from vllm_eagle2 import adaptive
     from vllm_eagle2.budget import NO_DRAFTS
 
-    now = [0.0]
-    monkeypatch.setattr(
-        adaptive, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
-    )
+    now = fake_clock(monkeypatch)
     budget = make_budget()
 
     def step(prompt_tokens: int, drafts: bool) -> None:  # catch-up: 1 ms, 50 ms more with a prompt

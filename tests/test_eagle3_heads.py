@@ -1,6 +1,6 @@
 """EAGLE-3 heads drafted as eagle2 trees: loaded as vLLM's ``eagle3`` loads them, and lossless.
 
-Tiny heads in vLLM's ``eagle3`` file format (:func:`vllm_eagle2.testing.build_eagle3_head`) for the
+Tiny heads in vLLM's ``eagle3`` file format (:func:`vllm_eagle2_tools.testing.build_eagle3_head`) for the
 float32 "partial" target: a partly agreeing one with its own 400-token draft vocabulary (``d2t``), and a
 random one over the whole vocabulary that reads two auxiliary layers, its layer saved as ``layers.0``.
 """
@@ -14,7 +14,7 @@ from conftest import acceptance_length, assert_trees_exercised, run_llm
 from test_engine_lossless import greedy, greedy_reference, token_prompts, tokens_of
 
 from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
-from vllm_eagle2.testing import build_eagle3_head, build_pair
+from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 DRAFT_VOCAB = 400
 

@@ -20,8 +20,8 @@ import pytest
 from conftest import acceptance_length, assert_trees_exercised, run_llm
 
 from vllm_eagle2 import draft_vocab
-from vllm_eagle2.adaptive import COSTS_ENV
-from vllm_eagle2.testing import build_eagle_head, build_pair, build_target
+from vllm_eagle2.costs import COSTS_ENV
+from vllm_eagle2_tools.testing import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import freeze_heap
 
-from vllm_eagle2.testing import build_pair
+from vllm_eagle2_tools.testing import build_pair
 
 MAX_MODEL_LEN = 256
 
@@ -20,7 +20,7 @@ def make_llm(target, spec):
     """An engine whose core runs in this process: it starts in half the time of its own process."""
     from vllm import LLM
 
-    from vllm_eagle2.engine import scoped_env
+    from vllm_eagle2_tools.engine import scoped_env
 
     with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
         return LLM(
@@ -154,7 +154,7 @@ def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
 
 
 def test_model_defaults_that_turn_drafts_off_are_named():
-    from vllm_eagle2.proposer import drafting_blockers
+    from vllm_eagle2.eligibility import drafting_blockers
 
     assert drafting_blockers({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}) == [
         "repetition_penalty=1.05"
@@ -165,12 +165,11 @@ def test_model_defaults_that_turn_drafts_off_are_named():
 def _warm_up_on_this_cpu(worker) -> dict:
     """In the worker: the drafter's kernel limits and caches, warmed up under the Triton
     interpreter as the GPU worker does it before vLLM's JIT monitor starts."""
+    from vllm_eagle2 import attention, startup
     from vllm_eagle2.kernels.warmup import warm_up_kernels
 
-    from vllm_eagle2 import attention
-
     drafter = worker.model_runner.drafter
-    limits = drafter.kernel_limits()
+    limits = startup.kernel_limits(drafter)
     caches = attention.tree_caches(drafter.vllm_config.compilation_config.static_forward_context)
     launches = warm_up_kernels(limits, drafter.device, caches)
     return {"limits": limits, "caches": [c.key_cache.shape for c in caches], "launches": launches}

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from vllm_eagle2.gpu_bench import Shapes, run_checks
+from vllm_eagle2_tools.gpu_bench import Shapes, run_checks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +53,7 @@ def test_gpu_check(checks: dict[str, str], prefix: str) -> None:
 def test_training_attention_packed_on_device_equals_per_sequence() -> None:
     """The trainer's one-call attention on CUDA (efficient SDPA under a mask) equals its
     per-sequence loop, outputs and gradients, at three unrolled depths."""
-    from vllm_eagle2.training.head import packed_attention, per_sequence_attention
+    from vllm_eagle2_tools.training.head import packed_attention, per_sequence_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     lens = [300, 7, 129, 1, 64]
@@ -86,6 +86,7 @@ def test_after_the_warm_up_no_step_shape_compiles_a_kernel() -> None:
     import dataclasses
 
     from test_kernel_warmup import LIMITS, _cache, serve_every_shape
+
     from vllm_eagle2.kernels.warmup import warm_up_kernels
 
     device = torch.device("cuda")

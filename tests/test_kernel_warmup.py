@@ -13,6 +13,8 @@ from importlib import import_module
 
 import pytest
 import torch
+
+from vllm_eagle2 import kernels
 from vllm_eagle2.kernels.warmup import (
     AttentionCache,
     StepLimits,
@@ -20,8 +22,6 @@ from vllm_eagle2.kernels.warmup import (
     mask_variants,
     warm_up_kernels,
 )
-
-from vllm_eagle2 import kernels
 
 # The modules (``kernels.vocab_topk`` is also the function's name).
 vocab_topk, tree_mask, tree_attention_triton = (

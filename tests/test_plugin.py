@@ -34,8 +34,8 @@ import torch
 from vllm_eagle2 import draft_vocab
 from vllm_eagle2.config import Eagle2ConfigError
 from vllm_eagle2.patches import unsupported_reason
-from vllm_eagle2.testing import build_eagle3_head, build_eagle_head, build_pair, build_target
 from vllm_eagle2.tree import TREE_MODES
+from vllm_eagle2_tools.testing import build_eagle3_head, build_eagle_head, build_pair, build_target
 
 KNOBS = dict(num_speculative_tokens=12, depth=4, topk=3)
 RANKING = [(7 * i) % 500 + 6 for i in range(100)]  # distinct token ids, "most frequent" first
@@ -198,6 +198,26 @@ def test_loading_the_entry_point_registers_eagle2(fresh_load):
     assert fresh_load["after"] is True
 
 
+def test_the_plugin_stands_alone_without_the_tools_or_their_dependencies():
+    """Every plugin module imports, and the plugin registers, with the tools package and its
+    dependencies unimportable: what a vLLM process loads is the plugin alone."""
+    proc = run_python(
+        """
+        import importlib, json, pkgutil, sys
+        for name in ("vllm_eagle2_tools", "matplotlib", "datasets", "gguf", "accelerate"):
+            sys.modules[name] = None  # import fails
+        import vllm_eagle2
+        modules = [m.name for m in pkgutil.walk_packages(vllm_eagle2.__path__, "vllm_eagle2.")]
+        for name in modules:
+            importlib.import_module(name)
+        from vllm_eagle2 import patches
+        print(json.dumps({"modules": len(modules), "applied": patches.apply()}))
+        """
+    )
+    out = last_json_line(proc)
+    assert out["applied"] and out["modules"] >= 20, out
+
+
 def test_a_patch_that_fails_leaves_vllm_as_it_was():
     """apply() is all or nothing: a failure in one patch undoes the ones before it."""
     proc = run_python(
@@ -242,12 +262,12 @@ def test_the_gpu_worker_warms_eagle2_kernels_up_just_before_vllms_jit_monitor_st
     import vllm.utils.jit_monitor
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_eagle2 import patches
+    from vllm_eagle2 import patches, startup
     from vllm_eagle2.proposer import Eagle2Proposer
 
     assert patches.apply()
     calls = []
-    monkeypatch.setattr(Eagle2Proposer, "warm_up_kernels", lambda self: calls.append("eagle2 warm-up") or 1)
+    monkeypatch.setattr(startup, "warm_up", lambda drafter: calls.append("eagle2 warm-up") or 1)
     monkeypatch.setattr(vllm.utils.jit_monitor, "activate", lambda **kwargs: calls.append("jit monitor"))
     worker = SimpleNamespace(
         model_runner=SimpleNamespace(drafter=Eagle2Proposer.__new__(Eagle2Proposer)),
@@ -332,18 +352,18 @@ def test_draft_vocabulary_scores_with_the_kernel_vllm_gives_its_lm_head():
     (oneDNN on CPU), with the same logits as the whole head's at those tokens."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from vllm_eagle2.proposer import _platform_gemm
+    from vllm_eagle2.draft_vocab import platform_gemm
 
     torch.manual_seed(0)
     lm_head = torch.nn.Module()
     lm_head.weight = torch.nn.Parameter(torch.randn(300, 32), requires_grad=False)
     lm_head.quant_method = UnquantizedEmbeddingMethod()
     vocab = draft_vocab.DraftVocab(torch.tensor([250, 3, 17]), lm_head.weight.detach(), scale=0.5)
-    vocab.gemm = _platform_gemm(lm_head, vocab.weight)
+    vocab.gemm = platform_gemm(lm_head, vocab.weight)
     hidden = torch.randn(5, 32)
     expected = 0.5 * (hidden @ lm_head.weight.T)[:, [3, 17, 250]]
     torch.testing.assert_close(vocab.logits(hidden), expected, rtol=1e-5, atol=1e-5)
-    assert _platform_gemm(torch.nn.Linear(32, 300), vocab.weight) is None  # not vLLM's lm_head
+    assert platform_gemm(torch.nn.Linear(32, 300), vocab.weight) is None  # not vLLM's lm_head
 
 
 def test_draft_model_is_the_eagle2_head_class(config):

@@ -49,7 +49,7 @@ import httpx
 import pytest
 
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
-from vllm_eagle2.testing import build_pair
+from vllm_eagle2_tools.testing import build_pair
 
 SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
 SERVER_MAX_MODEL_LEN = 512

@@ -1,4 +1,4 @@
-"""Committed distilled replies (vllm_eagle2.training.replies): format, resumable slices, the checks
+"""Committed distilled replies (vllm_eagle2_tools.training.replies): format, resumable slices, the checks
 that keep data/replies/ honest, series of sampled replies beside the greedy one, and batched greedy
 generation equal to one prompt at a time."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_eagle2.testing import build_target
-from vllm_eagle2.training import replies
+from vllm_eagle2_tools.testing import build_target
+from vllm_eagle2_tools.training import replies
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 7, 8, 9], [1, 10], [1, 11, 12, 13, 14, 15, 16], [1, 17, 18]]

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 
 from vllm_eagle2 import attention
+from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.tree import off_leading_chain
 
 

@@ -23,9 +23,9 @@ from conftest import run_llm
 from scipy.stats import chi2_contingency
 
 from vllm_eagle2 import draft_vocab
-from vllm_eagle2.adaptive import COSTS_ENV
+from vllm_eagle2.costs import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
-from vllm_eagle2.testing import build_eagle3_head, build_pair
+from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 NUM_SAMPLES = 400
 MAX_TOKENS = 4

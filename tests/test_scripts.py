@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_eagle2 import smollm2
 from vllm_eagle2.config import AUTO
 from vllm_eagle2.tree import TREE_MODES
+from vllm_eagle2_tools import smollm2
 
 REPO = Path(__file__).resolve().parents[1]
 README_TEST_COMMAND = ".venv/bin/python -m pytest -q tests"
@@ -106,7 +106,7 @@ def test_bench_verify_forward_rejects_unknown_cpu_attention_before_any_engine() 
 def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
     """``--sweep [MODE:]M:D:K[:V]``: a static tree can run at its own depth beside the dynamic one; V is
     eagle2's draft_vocab_size, ``auto`` unless given."""
-    benchmark = importlib.import_module("vllm_eagle2.bench.config")  # scripts/benchmark.py's options
+    benchmark = importlib.import_module("vllm_eagle2_tools.bench.config")  # scripts/benchmark.py's options
     assert benchmark._setting_list("16:5:4,static:60:3:10:8192,4:2:2:0") == [
         ("dynamic", 16, 5, 4, "auto"),
         ("static", 60, 3, 10, 8192),
@@ -120,9 +120,9 @@ def test_benchmark_sweep_names_tree_mode_and_defaults_to_dynamic() -> None:
 
 def test_benchmark_runs_one_eagle3_head_in_vllms_chain_and_in_eagle2_trees(tmp_path: Path) -> None:
     """The ``eagle3`` rows (one per k) and the ``eagle3_trees`` row name the same EAGLE-3 head."""
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
-    from vllm_eagle2.testing import build_eagle3_head, build_pair
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
     target_dir, head = build_pair(tmp_path, "partial")
     eagle3_head = build_eagle3_head(tmp_path / "eagle3", target_dir)
@@ -148,10 +148,10 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
 ) -> None:
     """``nospec_sync`` starts vLLM without speculation and with async scheduling off; ``nospec`` leaves
     vLLM's default."""
-    from vllm_eagle2.bench import engines
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
-    from vllm_eagle2.testing import build_pair
+    from vllm_eagle2_tools.bench import engines
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2_tools.testing import build_pair
 
     class Started(Exception):
         pass
@@ -185,10 +185,10 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
 
 def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path: Path) -> None:
     """``nospec_vec`` is no speculation in an engine whose env asks for eagle2's CPU KV layout."""
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.config import DEFAULT_MODES, plan_runs, resolve_target
     from vllm_eagle2.patches import VEC_LAYOUT_ENV
-    from vllm_eagle2.testing import build_pair
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2_tools.testing import build_pair
 
     target_dir, head = build_pair(tmp_path, "partial")
     args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "nospec_vec,nospec"])
@@ -200,7 +200,7 @@ def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path:
 
 def test_measurements_name_the_cpu_model_and_the_flags_its_kernels_depend_on() -> None:
     """Sittings can land on different machines; the results say which CPU, and which kernel ISAs it has."""
-    from vllm_eagle2.machine import cpu_description, cpu_note
+    from vllm_eagle2_tools.machine import cpu_description, cpu_note
 
     cpuinfo = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu amx_bf16 avx2 sse avx512f\n"
     cpu = cpu_description(cpuinfo)
@@ -210,10 +210,10 @@ def test_measurements_name_the_cpu_model_and_the_flags_its_kernels_depend_on() -
 
 def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_path: Path) -> None:
     """``never`` is eagle2 with the adaptive budget priced so that every draft loses (its engine's env)."""
-    from vllm_eagle2.adaptive import COSTS_ENV
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.config import NEVER_COSTS, plan_runs, resolve_target
-    from vllm_eagle2.testing import build_pair
+    from vllm_eagle2.costs import COSTS_ENV
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.config import NEVER_COSTS, plan_runs, resolve_target
+    from vllm_eagle2_tools.testing import build_pair
 
     target_dir, head = build_pair(tmp_path, "partial")
     args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "never,defaults"])
@@ -224,10 +224,10 @@ def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_
 
 def test_benchmark_console_command_runs_the_scripts_main() -> None:
     """``vllm-eagle2-bench`` (setup.py's entry point) is the ``main`` that ``scripts/benchmark.py`` runs."""
-    from vllm_eagle2.bench import cli
+    from vllm_eagle2_tools.bench import cli
 
-    assert '"vllm-eagle2-bench = vllm_eagle2.bench.cli:main"' in (REPO / "setup.py").read_text()
-    assert "from vllm_eagle2.bench.cli import main" in (REPO / "scripts" / "benchmark.py").read_text()
+    assert '"vllm-eagle2-bench = vllm_eagle2_tools.bench.cli:main"' in (REPO / "setup.py").read_text()
+    assert "from vllm_eagle2_tools.bench.cli import main" in (REPO / "scripts" / "benchmark.py").read_text()
     with pytest.raises(SystemExit) as stop:
         cli.main(["--help"])
     assert stop.value.code == 0
@@ -319,9 +319,9 @@ def test_benchmark_spreads_each_prompts_max_tokens_alike_for_every_engine(monkey
     ``--max-tokens`` (a server's requests do not all stop after the same number of tokens)."""
     from types import SimpleNamespace
 
-    from vllm_eagle2.bench import engines
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.records import Run
+    from vllm_eagle2_tools.bench import engines
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.records import Run
 
     class FakeLLM:
         def __init__(self) -> None:
@@ -353,9 +353,9 @@ def test_benchmark_times_every_pass_from_an_empty_prefix_cache(monkeypatch) -> N
     blocks in the cache, and vLLM matches an EAGLE-type engine's prompts one block shorter."""
     from types import SimpleNamespace
 
-    from vllm_eagle2.bench import engines
-    from vllm_eagle2.bench.cli import parse_args
-    from vllm_eagle2.bench.records import Run
+    from vllm_eagle2_tools.bench import engines
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.records import Run
 
     class FakeLLM:
         def __init__(self, resets: bool) -> None:
@@ -398,7 +398,7 @@ def test_smoke_check_on_this_cpu_passes_eager_and_compiled() -> None:
 
 
 def test_smoke_check_fails_on_a_difference_or_a_compiled_tau_drop() -> None:
-    from vllm_eagle2.bench.smoke import Sitting, judge
+    from vllm_eagle2_tools.bench.smoke import Sitting, judge
 
     def sitting(engine, mode, tokens, accepted=0.0, moves=0):
         stats = {"kv_moves": moves} if engine == "eagle2" else None

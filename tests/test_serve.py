@@ -26,8 +26,8 @@ import openai
 import pytest
 from conftest import run_llm
 
-from vllm_eagle2.soak.server import stop_group
-from vllm_eagle2.testing import build_pair
+from vllm_eagle2_tools.soak.server import stop_group
+from vllm_eagle2_tools.testing import build_pair
 
 SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
 MAX_TOKENS = 32

@@ -1,4 +1,4 @@
-"""Tests of the seeded tiny models (vllm_eagle2.testing): determinism, oracle exactness, and vLLM.
+"""Tests of the seeded tiny models (vllm_eagle2_tools.testing): determinism, oracle exactness, and vLLM.
 
 The vLLM part runs three engines one after another, their cores in this process (under a minute):
 random target without speculation, the same target with vLLM's built-in ``eagle`` method (greedy output
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import acceptance_length, run_llm
 
-from vllm_eagle2.testing import (
+from vllm_eagle2_tools.testing import (
     build_eagle_head,
     build_pair,
     build_target,

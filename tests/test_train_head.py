@@ -1,4 +1,4 @@
-"""The head trainer's core (vllm_eagle2.training) on a tiny seeded target, no engine start.
+"""The head trainer's core (vllm_eagle2_tools.training) on a tiny seeded target, no engine start.
 
 Synthetic token sequences run through a tiny "partial" target; features go to shards; a few steps of
 training must lower the loss; the exported head must be in vLLM's eagle format (config accepted by
@@ -15,28 +15,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_eagle2 import datasets
-from vllm_eagle2 import head_scaling as scaling
 from vllm_eagle2.head_files import default_aux_layers
-from vllm_eagle2.testing import EagleHeadReference, build_target
-from vllm_eagle2.training.cli import main, parse_args
-from vllm_eagle2.training.conversations import Sequences, load_distilled, render_conversation
-from vllm_eagle2.training.eagle3_head import (
+from vllm_eagle2_tools import datasets
+from vllm_eagle2_tools import head_scaling as scaling
+from vllm_eagle2_tools.testing import EagleHeadReference, build_target
+from vllm_eagle2_tools.training.cli import main, parse_args
+from vllm_eagle2_tools.training.conversations import Sequences, load_distilled, render_conversation
+from vllm_eagle2_tools.training.eagle3_head import (
     build_eagle3_head,
     eagle3_aux_layers,
     load_eagle3_weights,
     select_draft_vocab,
 )
-from vllm_eagle2.training.features import TARGET_TOPK, frequent_vocab, write_feature_shards
-from vllm_eagle2.training.head import (
+from vllm_eagle2_tools.training.features import TARGET_TOPK, frequent_vocab, write_feature_shards
+from vllm_eagle2_tools.training.head import (
     build_head,
     export_head,
     load_head_weights,
     packed_attention,
     per_sequence_attention,
 )
-from vllm_eagle2.training.loop import ShardReader, TrainConfig, evaluate, train
-from vllm_eagle2.training.loss import batch_loss, subset_vocab_loss, vocab_loss
+from vllm_eagle2_tools.training.loop import ShardReader, TrainConfig, evaluate, train
+from vllm_eagle2_tools.training.loss import batch_loss, subset_vocab_loss, vocab_loss
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +430,7 @@ def test_distilled_replies_are_masked_and_held_out_ids_dropped(tmp_path: Path) -
     """distill_target.py's JSONL trains on the reply only, and never on a held-out prompt."""
     from transformers import AutoTokenizer
 
-    from vllm_eagle2.testing import build_tokenizer
+    from vllm_eagle2_tools.testing import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
     path = tmp_path / "distilled.jsonl"
@@ -449,7 +449,7 @@ def test_render_mask_and_sharegpt_reader(tmp_path: Path) -> None:
     """Assistant spans are masked through the chat template; the reader stops at a truncated tail."""
     from transformers import AutoTokenizer
 
-    from vllm_eagle2.testing import build_tokenizer
+    from vllm_eagle2_tools.testing import build_tokenizer
 
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path / "tok")))
     msgs = datasets.to_messages(

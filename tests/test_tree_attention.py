@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from vllm_eagle2.kernels import (
     HAS_TRITON,
     build_tree_masks,

@@ -20,6 +20,7 @@ import torch
 from aten_ops import AtenOps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from vllm_eagle2.kernels import (
     HAS_TRITON,
     TreeMasks,

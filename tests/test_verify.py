@@ -11,9 +11,9 @@ from aten_ops import AtenOps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from vllm_eagle2.kernels import HAS_TRITON
 
 from vllm_eagle2 import verify, verify_logits
+from vllm_eagle2.kernels import HAS_TRITON
 from vllm_eagle2.verify import (
     apply_top_k_top_p,
     target_probs,

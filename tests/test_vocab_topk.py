@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from vllm_eagle2.kernels import HAS_TRITON, vocab_topk
 from vllm_eagle2.kernels.vocab_topk import _vocab_topk_triton
 

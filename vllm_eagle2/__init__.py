@@ -20,4 +20,4 @@ def register() -> None:
 
         patches.apply()
     except Exception:  # noqa: BLE001 - a plugin must never break a vLLM that runs without it
-        logging.getLogger("vllm_eagle2").exception("vllm-eagle2 failed to register; eagle2 is unavailable")
+        logging.getLogger("vllm.eagle2").exception("vllm-eagle2 failed to register; eagle2 is unavailable")

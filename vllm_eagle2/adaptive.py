@@ -1,9 +1,8 @@
 """The adaptive tree budget of one engine: measurements in, :mod:`vllm_eagle2.budget` decisions out.
 
 * **Costs.** At engine start :meth:`AdaptiveBudget.calibrate` times the target and one draft
-  level at 1, 2, 4, ... tokens (a few seconds at most: it stops doubling once a pass takes
-  longer than ``CALIBRATION_PASS_S``). While serving, every step's target pass, each draft
-  level and the rest of the step are timed and refine the curves. A step that verifies drafts
+  level (:mod:`vllm_eagle2.costs`); while serving, every step's target pass, each draft level
+  and the rest of the step are timed and refine the curves. A step that verifies drafts
   is priced apart from one that does not (its own target curve, ``verify``, and its own
   overhead): verification, the tree bookkeeping and the allocation cost more than a plain
   pass over as many tokens, and a model that prices both alike keeps drafting at a loss. On
@@ -14,16 +13,14 @@
   the host with the drafter's own transfer, never with a sync of its own.
 * **Decisions.** :meth:`plan` (host, before drafting) and :meth:`allocate` (device, after).
 
-``VLLM_EAGLE2_STEP_COSTS='{"target": [a, b], "level": [a, b], "overhead": s}'`` replaces the
-measured costs by fixed linear ones (seconds = a + b * tokens): no calibration, no online
-updates. For tests and for what-if runs; the engine never needs it.
+``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.costs.COSTS_ENV`) replaces the measured costs by
+fixed linear ones, for tests and what-if runs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,25 +32,17 @@ import torch
 from vllm_eagle2.budget import (
     NO_DRAFTS,
     AcceptanceModel,
-    CostCurve,
     DraftPlan,
-    ScaledCurve,
     allocate_nodes,
     draft_seconds,
     plan_draft,
     step_cost,
 )
+from vllm_eagle2.costs import Clock, CostCurve, ScaledCurve, calibrate_curves, fixed_costs, set_linear
 from vllm_eagle2.device import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
-COSTS_ENV = "VLLM_EAGLE2_STEP_COSTS"
-#: Calibration stops doubling a curve once one pass takes longer than this (seconds), but not
-#: below ``CALIBRATION_MIN_TOKENS``: a pass that stalls (a shared machine) would otherwise leave
-#: one knot, and a curve proportional from the origin prices a second token as a second pass,
-#: so that drafting never looks worth trying again.
-CALIBRATION_PASS_S = 0.25
-CALIBRATION_MIN_TOKENS = 64
 #: Per step, drafting or not, older acceptance counts are multiplied by this (a memory of ~50
 #: steps). While nothing is drafted, a table measured low thus drifts back to its prior, and
 #: drafting is tried again (a few unlucky drafts would otherwise rule it out for good).
@@ -67,62 +56,12 @@ REPLAN_DRIFT = 0.15
 OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
-# Drafts per request the allocation sends, per batch size: an exponential average at SENT_RATE
-# per drafting step, of the drafts sent, or of one more where it sent all that were planned (it
-# might have sent more). Each step planned without drafts moves it SENT_RECOVERY of the way back
-# to the upper bound, so drafting is tried again within a replan or two (it took 64 steps at
-# batch 1 once: a sixth of them without drafts, after five unconfident drafts in a row).
+# Drafts per request the allocation sends, per batch size: an average at SENT_RATE per drafting
+# step (of one more where it sent all planned). A step without drafts moves it SENT_RECOVERY back
+# to the upper bound, so drafting is tried again within a replan or two (it once took 64 steps).
 SENT_RATE = 0.2
 SENT_RECOVERY = 0.05
 LOG_INTERVAL_S = 10.0
-
-
-def _fixed_costs() -> dict[str, Any] | None:
-    raw = os.environ.get(COSTS_ENV)
-    if not raw:
-        return None
-    try:
-        costs = json.loads(raw)
-        for name in ("target", "level"):
-            a, b = costs[name]
-            costs[name] = (float(a), float(b))
-        costs["overhead"] = float(costs.get("overhead", 0.0))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f'{COSTS_ENV} must be JSON like {{"target": [a, b], "level": [a, b], "overhead": s}}; got {raw!r}'
-        ) from exc
-    return costs
-
-
-class _Clock:
-    """Durations on the host (CPU) or as CUDA events, resolved once the device reached them."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.pending: list[tuple[Any, Any, Callable[[float], None]]] = []
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def measure(self, start: Any, end: Any, sink: Callable[[float], None]) -> None:
-        """Call ``sink(seconds)`` for ``start -> end``, now on CPU, after :meth:`resolve` on CUDA."""
-        if self.cuda:
-            self.pending.append((start, end, sink))
-        else:
-            sink(end - start)
-
-    def resolve(self) -> None:
-        keep = []
-        for start, end, sink in self.pending:
-            if end.query():
-                sink(start.elapsed_time(end) / 1e3)
-            else:
-                keep.append((start, end, sink))
-        self.pending = keep[-256:]  # bounded, should the device never catch up
 
 
 class AdaptiveBudget:
@@ -167,12 +106,12 @@ class AdaptiveBudget:
         self.stats = torch.zeros(depth, 2 * topk + 2, device=device)
         self._stats_host = torch.zeros_like(self.stats, device="cpu", pin_memory=device.type == "cuda")
         self._stats_copied = False
-        self.clock = _Clock(device)
-        self.fixed = _fixed_costs()
+        self.clock = Clock(device)
+        self.fixed = fixed_costs()
         if self.fixed is not None:
-            self._set_linear(self.target, *self.fixed["target"])
-            self._set_linear(self.verify, *self.fixed["target"])
-            self._set_linear(self.level, *self.fixed["level"])
+            set_linear(self.target, *self.fixed["target"])
+            set_linear(self.verify, *self.fixed["target"])
+            set_linear(self.level, *self.fixed["level"])
             self.overhead = self.fixed["overhead"]
         self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}
         self._sent: dict[int, float] = {}
@@ -196,41 +135,14 @@ class AdaptiveBudget:
         self.replans = 0
         self._logged_at = time.monotonic()
 
-    @staticmethod
-    def _set_linear(curve: CostCurve, a: float, b: float) -> None:
-        for knot in curve.knots:
-            curve.set(int(knot), a + b * knot)
-
     # -- costs ---------------------------------------------------------------------------------
     def calibrate(self, time_target: Callable[[int], float], time_level: Callable[[int], float]) -> None:
-        """Time the target and one draft level at 1, 2, 4, ... tokens; skipped with fixed costs.
-
-        ``time_target(tokens)`` / ``time_level(rows)`` run one pass and return its seconds.
-        """
-        if self.fixed is not None:
-            return
-        start = time.perf_counter()
-        for curve, run in ((self.target, time_target), (self.level, time_level)):
-            run(1)  # warm-up
-            for knot in curve.knots:
-                seconds = min(run(int(knot)) for _ in range(2))
-                curve.set(int(knot), seconds)
-                if curve is self.target:
-                    self.verify.set(int(knot), seconds)
-                if seconds > CALIBRATION_PASS_S and knot >= CALIBRATION_MIN_TOKENS:
-                    break
-        logger.info(
-            "eagle2 adaptive budget: calibrated in %.1f s; target %s; draft level %s",
-            time.perf_counter() - start,
-            self._describe(self.target),
-            self._describe(self.level),
-        )
-
-    @staticmethod
-    def _describe(curve: CostCurve) -> str:
-        y = curve.values()
-        shown = [0, len(y) // 2, len(y) - 1]
-        return ", ".join(f"{int(curve.knots[i])} tok {y[i] * 1e3:.2f} ms" for i in shown)
+        """Time the target and one draft level at 1, 2, 4, ... tokens (:func:`calibrate_curves`);
+        skipped with fixed costs. ``time_target(tokens)`` / ``time_level(rows)`` run one pass."""
+        if self.fixed is None:
+            calibrate_curves(
+                {self.target: time_target, self.level: time_level}, also=(self.target, self.verify)
+            )
 
     def step_started(self, tokens: int, prompt_tokens: int = 0) -> None:
         """The runner starts a step over ``tokens`` scheduled tokens, ``prompt_tokens`` of them
@@ -481,36 +393,7 @@ class AdaptiveBudget:
             logger.info("eagle2 adaptive budget: %s", json.dumps(self.summary()))
 
     def summary(self) -> dict[str, Any]:
-        """Counters since start: steps, steps without drafts, drafts per step and per request
-        (histograms, keyed by count), draft shapes planned (``d{depth}k{topk}``; ``d0k0`` = none)."""
-        total = sum(n * c for n, c in self.nodes_per_step.items())
-        draft_overhead = self.draft_overhead
-        if draft_overhead is not None:
-            draft_overhead *= self.drafting_speed * 1e3
-        return {
-            "steps": self.steps,
-            "steps_without_drafts": self.steps_without_drafts,
-            "mean_drafts_per_step": total / self.steps if self.steps else 0.0,
-            "drafts_per_step": {str(n): c for n, c in sorted(self.nodes_per_step.items())},
-            "drafts_per_request": {str(n): c for n, c in sorted(self.nodes_per_request.items())},
-            "shapes": {f"d{d}k{k}": c for (d, k), c in sorted(self.shapes.items())},
-            "overhead_ms": self.speed * self.overhead * 1e3,
-            "draft_overhead_ms": draft_overhead,
-            "between_steps_ms": self.speed * self.between * 1e3,
-            "replans": self.replans,
-            "speed": round(self.speed, 3),
-            "drafting_speed": round(self.drafting_speed, 3),
-            "sent_per_request": {str(b): round(n, 2) for b, n in sorted(self._sent.items())},
-            "acceptance_top1": [round(float(x), 3) for x in self.acceptance.p[:, 0]],
-            "prices_ms": self._prices_ms(),
-        }
+        """Counters since start (:func:`vllm_eagle2.budget_summary.summarize`)."""
+        from vllm_eagle2.budget_summary import summarize
 
-    def _prices_ms(self) -> dict[str, dict[str, float]]:
-        """The cost model's current prices in ms (a target pass, a verifying one, a draft level),
-        at the curves' first knots: what the planner weighs, for the metrics."""
-        costs = self._costs()
-        out = {}
-        for name in ("target", "verify", "level"):
-            knots = [int(k) for k in getattr(self, name).knots[:7]]
-            out[name] = {str(k): round(1e3 * float(costs[name](k)), 2) for k in knots}
-        return out
+        return summarize(self)

@@ -40,7 +40,7 @@ from vllm_eagle2.config import UNQUANTIZED_KV_DTYPES
 from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
 from vllm_eagle2.kernels.warmup import AttentionCache
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 
 @dataclass

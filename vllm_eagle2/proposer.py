@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2 import attention
@@ -37,72 +35,14 @@ from vllm_eagle2.adaptive import AdaptiveBudget
 from vllm_eagle2.budget import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.device import to_device
-from vllm_eagle2.draft_vocab import DraftVocab
+from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
+from vllm_eagle2.eligibility import drafting_blockers, supports_tree_drafting
+from vllm_eagle2.expansion import TreeExpander
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.kernels import HAS_TRITON, pack_tree_mask, vocab_topk
-from vllm_eagle2.kernels.warmup import StepLimits, warm_up_kernels
 from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
-
-_PAD_SLOT = -1
-
-
-def supports_tree_drafting(sampling_params: Any) -> bool:
-    """Whether the tree verifier reproduces this request's sampler exactly.
-
-    Penalties, logit processors and grammars look at the tokens before each position; the
-    tree verifier applies temperature, top-k and top-p only. Such requests are decoded
-    without drafts, which is lossless too.
-    """
-    sp = sampling_params
-    if sp is None:
-        return True
-    return (
-        all(getattr(sp, name) == neutral for name, neutral in _NEUTRAL_SAMPLING.items())
-        and not sp.logit_bias
-        and not sp.allowed_token_ids
-        and not sp.bad_words
-        and sp.structured_outputs is None
-        and not getattr(sp, "logits_processors", None)
-    )
-
-
-#: Sampling settings the tree verifier does not apply, at their neutral values.
-_NEUTRAL_SAMPLING = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-}
-
-
-def drafting_blockers(defaults: dict[str, Any]) -> list[str]:
-    """The settings of a model's default sampling parameters (vLLM reads them from its
-    ``generation_config.json``) under which its requests get no drafts, as ``name=value``.
-
-    Qwen's ``repetition_penalty`` 1.05 is one: every request that keeps it is decoded without
-    drafts, which is lossless but no faster.
-    """
-    return [f"{k}={defaults[k]}" for k, v in _NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] != v]
-
-
-def _platform_gemm(lm_head: Any, weight: torch.Tensor) -> Any:
-    """[N, H] -> [N, V'] product with ``weight`` (rows of ``lm_head``'s) by the kernel vLLM gives an
-    unquantized ``lm_head`` on this platform; None for any other ``lm_head``.
-
-    On CPU that is oneDNN with a packed weight: for 8,714 x 576 fp32 on 2 AVX2 cores, with the caches
-    cold as after a target pass, 2.2 ms against torch's 3.9 ms for one row, 2.5 against 8.0 for four.
-    """
-    method = getattr(lm_head, "quant_method", None)
-    if not isinstance(method, UnquantizedEmbeddingMethod):
-        return None
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    method.process_weights_after_loading(layer)
-    return lambda hidden: method.apply(layer, hidden)
 
 
 @dataclasses.dataclass
@@ -207,7 +147,7 @@ class Eagle2Proposer(EagleProposer):
             ": auto" if self.settings.draft_vocab_auto else "",
         )
         vocab = DraftVocab(ids, weight.detach(), scale=float(processor.scale))
-        gemm = _platform_gemm(self.model.lm_head, vocab.weight)
+        gemm = platform_gemm(self.model.lm_head, vocab.weight)
         if gemm is not None:
             vocab.gemm = gemm
         return vocab
@@ -235,39 +175,6 @@ class Eagle2Proposer(EagleProposer):
             )
         return draft_index
 
-    def kernel_limits(self) -> StepLimits:
-        """What bounds this engine's kernel shapes (kernels/warmup.py), read from one row of
-        each logits producer (their widths and dtypes, whatever the head format)."""
-        s = self.settings
-        with torch.inference_mode():
-            draft = self._draft_logits(torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device))
-            hidden = self.runner.model_config.get_hidden_size()
-            target = self.runner.model.compute_logits(
-                torch.zeros(1, hidden, dtype=self.dtype, device=self.device)
-            )
-        return StepLimits(
-            draft_vocab=draft.shape[-1],
-            draft_dtype=draft.dtype,
-            target_vocab=target.shape[-1],
-            # vLLM's logits processors hand the sampler float32 logits.
-            target_dtypes=tuple(dict.fromkeys((target.dtype, torch.float32))),
-            max_topk=1 if s.tree == "chain" else s.topk,
-            # The verified tree with its root, or a draft level's region and its queries.
-            max_nodes=max(s.nodes_per_step, s.draft_kv_slots + s.topk) + 1,
-            max_rows=self.runner.scheduler_config.max_num_batched_tokens,
-        )
-
-    def warm_up_kernels(self) -> int:
-        """Compile every Triton variant a step can launch, before vLLM's JIT monitor starts
-        watching; returns the launches (0 where the kernels' torch twins run)."""
-        if self.device.type != "cuda" or not HAS_TRITON:
-            return 0
-        layers = self.vllm_config.compilation_config.static_forward_context
-        start = time.perf_counter()
-        launches = warm_up_kernels(self.kernel_limits(), self.device, attention.tree_caches(layers))
-        logger.info("eagle2: %d kernel variants warmed up in %.1f s", launches, time.perf_counter() - start)
-        return launches
-
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self._calibrating:
             return  # the budget's calibration times the target alone
@@ -278,45 +185,6 @@ class Eagle2Proposer(EagleProposer):
             super().dummy_run(num_tokens, *args, **kwargs)
         finally:
             self.num_speculative_tokens = saved
-
-    def calibrate_budget(self, runner: Any) -> None:
-        """Time the target and one draft level for the adaptive budget (at engine start)."""
-        if self.budget is None:
-            return
-        limit = runner.scheduler_config.max_num_batched_tokens
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-
-        def timed(fn: Any) -> float:
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            return time.perf_counter() - start
-
-        def time_target(tokens: int) -> float:
-            self._calibrating = True
-            try:
-                return timed(lambda: runner._dummy_run(min(tokens, limit), skip_eplb=True))
-            finally:
-                self._calibrating = False
-
-        def time_level(rows: int) -> float:
-            rows = min(rows, limit)
-            hidden = torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=self.device)
-            saved = self.num_speculative_tokens
-            self.num_speculative_tokens = 1
-
-            def level() -> None:
-                EagleProposer.dummy_run(self, rows)
-                vocab_topk(self._draft_logits(hidden), self.budget.topk)
-
-            try:
-                with torch.inference_mode():
-                    return timed(level)
-            finally:
-                self.num_speculative_tokens = saved
-
-        self.budget.calibrate(time_target, time_level)
 
     # -- drafting --------------------------------------------------------------------------
     def _eligible_rows(self, req_ids: list[str]) -> list[bool]:
@@ -369,7 +237,7 @@ class Eagle2Proposer(EagleProposer):
         """Draft one tree per request; returns each request's draft tokens (best first).
 
         The catch-up pass runs outside any ``tree_batch`` scope (causal); each expansion level
-        opens its own (:class:`_TreeExpander`).
+        opens its own (:class:`~vllm_eagle2.expansion.TreeExpander`).
         """
         budget = self.budget
         cad = common_attn_metadata
@@ -401,7 +269,7 @@ class Eagle2Proposer(EagleProposer):
 
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
         root_logits = self._draft_logits(last_hidden[sample_idx])
-        expander = _TreeExpander(self, cad, root_pos, hidden[sample_idx])
+        expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
         tree = build_dynamic_tree(
             root_logits,
             expander,
@@ -472,100 +340,3 @@ class Eagle2Proposer(EagleProposer):
             out = self.model(**model_kwargs)
         last, hidden = out if self.model_returns_tuple() else (out, out)
         return last[:num_tokens], hidden[:num_tokens]
-
-
-class _TreeExpander:
-    """The ``draft_step`` of :func:`build_dynamic_tree`: one head pass per tree level."""
-
-    def __init__(
-        self, proposer: Eagle2Proposer, cad: Any, root_pos: torch.Tensor, root_hidden: torch.Tensor
-    ) -> None:
-        self.p = proposer
-        self.cad = cad
-        self.root_pos = root_pos  # [B]
-        # Sized for the configured tree: an adaptive step may draft a narrower or shallower one.
-        self.region_capacity = proposer.settings.draft_kv_slots
-        # Draft KV of the tree goes right past the request's end. A request too close to
-        # max_model_len gets no drafts: its writes are dropped (padding slots) and its
-        # reads kept inside the block table.
-        end = root_pos + 1
-        self.fits = end + self.region_capacity <= proposer.max_model_len  # [B]
-        self.start = torch.minimum(end, torch.full_like(end, proposer.max_model_len - self.region_capacity))
-        self.parent_hidden = root_hidden.unsqueeze(1)  # [B, 1 or K, H]
-        self.visible: torch.Tensor | None = None  # [B, K, region] ancestor-or-self, region slots
-        self.block_table = cad.block_table_tensor[: root_pos.shape[0]]
-        # Host-side bounds for the attention metadata (start <= root + 1 <= the first pass's
-        # sequence length), so no level reads a length back from the device.
-        self.max_seq_len = cad.max_seq_len
-
-    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Cache slots [B, K] of storage positions [B, K]; requests that do not fit: padding."""
-        bs = self.p.block_size
-        block = self.block_table.gather(1, positions // bs).long()
-        return torch.where(self.fits.unsqueeze(1), block * bs + positions % bs, _PAD_SLOT)
-
-    def __call__(self, tokens: torch.Tensor, prev_slots: torch.Tensor, level: int) -> torch.Tensor:
-        batch, k = tokens.shape
-        device = tokens.device
-        if self.p.budget is not None:
-            self.p.budget.level_started(batch * k)
-        # Hidden state fed with each node: its parent's head output.
-        if level == 2:
-            parent_hidden = self.parent_hidden.expand(batch, k, -1).contiguous()
-        else:
-            hidden_size = self.parent_hidden.shape[-1]
-            parent_hidden = self.parent_hidden.gather(1, prev_slots.unsqueeze(-1).expand(-1, -1, hidden_size))
-        # Region slot of this level's nodes, and what each of them may see.
-        region_len = (level - 1) * k
-        own = (level - 2) * k + torch.arange(k, device=device)
-        visible = torch.zeros(batch, k, region_len, dtype=torch.bool, device=device)
-        if self.visible is not None:
-            visible[:, :, : region_len - k] = self.visible.gather(
-                1, prev_slots.unsqueeze(-1).expand(-1, -1, self.visible.shape[-1])
-            )
-        visible[:, torch.arange(k, device=device), own] = True
-        self.visible = visible
-
-        storage = self.start.unsqueeze(1) + own.unsqueeze(0)  # [B, K]
-        # Materialised: vLLM's CPU kernels index these flat, a stride-0 view would be misread.
-        positions = (self.root_pos + level - 1).repeat_interleave(k).view(batch, k)
-        num_tokens = batch * k
-        qsl_cpu = torch.arange(0, num_tokens + 1, k, dtype=torch.int32)
-        qsl = to_device(qsl_cpu, device)
-        seq_lens = (self.start + region_len).to(torch.int32)
-        max_seq_len = self.max_seq_len + region_len
-        cad = dataclasses.replace(
-            self.cad,
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens,
-            num_reqs=batch,
-            num_actual_tokens=num_tokens,
-            max_query_len=k,
-            max_seq_len=max_seq_len,
-            block_table_tensor=self.block_table,
-            slot_mapping=self._slots(storage).flatten(),
-            positions=positions.flatten(),
-            seq_lens_cpu_upper_bound=torch.full((batch,), max_seq_len, dtype=torch.int32),
-            is_prefilling=None,
-        )
-        level_batch = attention.TreeBatch(
-            rows=torch.arange(num_tokens, device=device),
-            query_start_loc=qsl.long(),
-            block_table=self.block_table,
-            context_lens=self.start,
-            region_lens=torch.full_like(self.start, region_len),
-            mask=pack_tree_mask(visible),
-        )
-        # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
-        # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
-        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
-        # and its CUDA graphs read them.
-        p = self.p
-        p.input_ids[:num_tokens] = p._token_ids(tokens).flatten()
-        p.positions[:num_tokens] = positions.flatten()
-        p.hidden_states[:num_tokens] = parent_hidden.flatten(0, 1)
-        with attention.tree_batch(level_batch):
-            last_hidden, hidden = p._run_head(cad, num_tokens, first_pass=False)
-        self.parent_hidden = hidden.view(batch, k, -1)
-        return self.p._draft_logits(last_hidden).view(batch, k, -1)

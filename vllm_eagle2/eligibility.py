@@ -1,0 +1,45 @@
+"""Which requests get drafts: the tree verifier applies temperature, top-k and top-p only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def supports_tree_drafting(sampling_params: Any) -> bool:
+    """Whether the tree verifier reproduces this request's sampler exactly.
+
+    Penalties, logit processors and grammars look at the tokens before each position; the
+    tree verifier applies temperature, top-k and top-p only. Such requests are decoded
+    without drafts, which is lossless too.
+    """
+    sp = sampling_params
+    if sp is None:
+        return True
+    return (
+        all(getattr(sp, name) == neutral for name, neutral in _NEUTRAL_SAMPLING.items())
+        and not sp.logit_bias
+        and not sp.allowed_token_ids
+        and not sp.bad_words
+        and sp.structured_outputs is None
+        and not getattr(sp, "logits_processors", None)
+    )
+
+
+#: Sampling settings the tree verifier does not apply, at their neutral values.
+_NEUTRAL_SAMPLING = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
+
+
+def drafting_blockers(defaults: dict[str, Any]) -> list[str]:
+    """The settings of a model's default sampling parameters (vLLM reads them from its
+    ``generation_config.json``) under which its requests get no drafts, as ``name=value``.
+
+    Qwen's ``repetition_penalty`` 1.05 is one: every request that keeps it is decoded without
+    drafts, which is lossless but no faster.
+    """
+    return [f"{k}={defaults[k]}" for k, v in _NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] != v]

@@ -1,0 +1,174 @@
+"""The eagle2 step inside vLLM's model runner (vLLM 0.32 ``v1/worker/gpu_model_runner.py``; the
+CPU runner subclasses it). Each hook hands over to :mod:`vllm_eagle2.proposer` (drafting) or
+:mod:`vllm_eagle2.runner` (verification) and does nothing for engines without eagle2."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from . import cpu_build
+from .record import set_attr, state
+
+#: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
+DRAFTS_ATTR = "eagle2_draft_token_ids"
+
+
+def _is_eagle2(runner: Any) -> bool:
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    return isinstance(getattr(runner, "drafter", None), Eagle2Proposer)
+
+
+def patch_runner_setup() -> None:
+    """``__init__``: the drafter is an Eagle2Proposer (an EAGLE-3 head also gets the target's
+    auxiliary hidden states); ``_update_states``: finished requests leave the drafter."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2.proposer import Eagle2Proposer
+
+    init = GPUModelRunner.__init__
+
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        init(self, vllm_config, device, *args, **kwargs)
+        spec = self.speculative_config
+        self._eagle2_step = None
+        self._eagle2_hidden_states = None
+        eagle2 = spec is not None and spec.method == "eagle2"
+        # Read when this engine's CPU attention picks its KV layout; reset for every runner, so
+        # that an engine without eagle2 started later in the process keeps vLLM's layout.
+        state["cpu_isa_vec"] = eagle2
+        if eagle2:
+            self.drafter = Eagle2Proposer(self.vllm_config, self.device, self)
+            self.use_aux_hidden_state_outputs = self.drafter.eagle3_use_aux_hidden_state
+
+    update_states = GPUModelRunner._update_states
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        if _is_eagle2(self) and scheduler_output.finished_req_ids:
+            self.drafter.forget(scheduler_output.finished_req_ids)
+        return update_states(self, scheduler_output, *args, **kwargs)
+
+    set_attr(GPUModelRunner, "__init__", __init__)
+    set_attr(GPUModelRunner, "_update_states", _update_states)
+
+
+def patch_runner_forward() -> None:
+    """``execute_model`` holds the verification's tree batch for exactly the target forward;
+    ``_prepare_inputs`` starts the budget's step timer, prepares a step without drafts as plain
+    decoding and publishes the tree masks; ``propose_draft_token_ids`` lets the budget plan the
+    step before vLLM prepares the drafter's inputs."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2 import attention
+    from vllm_eagle2 import runner as tree_runner
+
+    execute_model = GPUModelRunner.execute_model
+
+    def _execute_model(self, *args, **kwargs):
+        if not _is_eagle2(self):
+            return execute_model(self, *args, **kwargs)
+        # _prepare_inputs publishes the batch (prepare_tree_verification), the target's attention
+        # layers read it, and it is gone when the forward returns. What sampling needs (the kept
+        # K/V) rides on runner._eagle2_step.
+        with attention.tree_batch():
+            return execute_model(self, *args, **kwargs)
+
+    prepare_inputs = GPUModelRunner._prepare_inputs
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if not _is_eagle2(self):
+            return prepare_inputs(self, scheduler_output, *args, **kwargs)
+        if self.drafter.budget is not None:
+            total = scheduler_output.total_num_scheduled_tokens
+            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+            prompt = total - len(scheduler_output.num_scheduled_tokens) - drafts
+            self.drafter.budget.step_started(total, prompt)
+        if scheduler_output.scheduled_spec_decode_tokens:
+            out = prepare_inputs(self, scheduler_output, *args, **kwargs)
+        else:
+            # No drafts to verify: plain decoding's inputs and vLLM's plain sampler. vLLM 0.32 tells
+            # the two apart by speculative_config alone, and would run its rejection sampler.
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = prepare_inputs(self, scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = spec
+        tree_runner.prepare_tree_verification(self, out[1])
+        return out
+
+    propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
+
+    def _propose_draft_token_ids(self, *args, **kwargs):
+        if _is_eagle2(self):
+            self.drafter.begin_step(self.input_batch.num_reqs)  # the target pass ends here
+        return propose_draft_token_ids(self, *args, **kwargs)
+
+    set_attr(GPUModelRunner, "execute_model", _execute_model)
+    set_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    set_attr(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
+
+
+def patch_runner_sampling() -> None:
+    """``_sample`` verifies trees instead of the rejection sampler (and keeps discarded CPU
+    generators, :mod:`.cpu_build`); ``_bookkeeping_sync`` hides those from vLLM's CUDA-only
+    rewind; ``sample_tokens`` hands the drafter the rows it reads and returns the step's drafts
+    with its output (:mod:`.scheduling`)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2 import runner as tree_runner
+
+    sample = GPUModelRunner._sample
+
+    def _sample(self, logits, spec_decode_metadata):
+        fix = _is_eagle2(self) or cpu_build.fix_every_engine()
+        saved = [(gen, gen.get_state()) for gen in cpu_build.discarded_cpu_generators(self)] if fix else []
+        try:
+            if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
+                return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
+            return sample(self, logits, spec_decode_metadata)
+        finally:
+            # A discarded (partial-prefill) sample must not advance the request's generator.
+            for gen, gen_state in saved:
+                gen.set_state(gen_state)
+
+    bookkeeping_sync = GPUModelRunner._bookkeeping_sync
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        fix = _is_eagle2(self) or cpu_build.fix_every_engine()
+        rows = cpu_build.discarded_cpu_generator_rows(self) if fix else []
+        hidden = {i: generators.pop(i) for i in rows}
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    sample_tokens = GPUModelRunner.sample_tokens
+
+    def _sample_tokens(self, *args, **kwargs):
+        execute_state = getattr(self, "execute_model_state", None)
+        # What the drafter's catch-up pass reads per token: the last hidden state, and an EAGLE-3
+        # head's auxiliary ones. Tree verification reorders their rows like the accepted tokens.
+        hidden = getattr(execute_state, "hidden_states", None)
+        rows = [hidden, *(getattr(execute_state, "aux_hidden_states", None) or [])]
+        self._eagle2_hidden_states = [h for h in rows if h is not None] if _is_eagle2(self) else None
+        try:
+            out = sample_tokens(self, *args, **kwargs)
+        finally:
+            self._eagle2_hidden_states = None
+        if _is_eagle2(self) and not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
+            out = copy.copy(out)  # never tag a shared instance (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
+            setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
+        return out
+
+    set_attr(GPUModelRunner, "_sample", _sample)
+    set_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
+    set_attr(GPUModelRunner, "sample_tokens", _sample_tokens)
+
+
+def patch_model_runner() -> None:
+    patch_runner_setup()
+    patch_runner_forward()
+    patch_runner_sampling()

@@ -1,0 +1,347 @@
+"""Training over the feature shards: epoch plans, shard streaming, held-out evaluation, the loop.
+
+AdamW with linear warm-up then cosine decay and gradient clipping; checkpoints (head, optimizer,
+schedule, position in the epoch) every few minutes and at every epoch end, so a resumed run
+continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_eagle2_tools.training import log
+from vllm_eagle2_tools.training.eagle3_head import Eagle3Head
+from vllm_eagle2_tools.training.features import frequent_vocab
+from vllm_eagle2_tools.training.head import EagleHead
+from vllm_eagle2_tools.training.loss import CE_WEIGHT, Batch, StepStats, batch_loss, make_batch
+
+EVAL_DEPTHS = 3  # held-out top-1 is also reported for depths 2..EVAL_DEPTHS (the head on its own features)
+
+Head = EagleHead | Eagle3Head
+
+
+def _device(head: Head) -> torch.device:
+    """Where the head's weights are."""
+    return head.fc.weight.device
+
+
+def _stats(head: Head) -> StepStats:
+    """An empty accumulator whose loss is the head's (an EAGLE-3 head's is its CE alone)."""
+    return StepStats(ce_weight=1.0) if isinstance(head, Eagle3Head) else StepStats()
+
+
+def epoch_plan(
+    shards: Sequence[dict[str, Any]], batch_tokens: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[tuple[int, list[int]]]:
+    """Batches of one epoch as (shard index, sequence indices): shard order and sequences shuffled.
+
+    Deterministic for (seed, epoch), computed from the lengths alone, so a resumed run skips exactly the
+    batches it already did.
+    """
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(shards)))
+    if shuffle:
+        rng.shuffle(order)
+    plan: list[tuple[int, list[int]]] = []
+    for k in order:
+        lengths = shards[k]["lengths"]
+        seqs = list(range(len(lengths)))
+        if shuffle:
+            rng.shuffle(seqs)
+        cur: list[int] = []
+        count = 0
+        for i in seqs:
+            if cur and count + lengths[i] > batch_tokens:
+                plan.append((k, cur))
+                cur, count = [], 0
+            cur.append(i)
+            count += lengths[i]
+        if cur:
+            plan.append((k, cur))
+    return plan
+
+
+class ShardReader:
+    """Loads one shard at a time (the last one is cached) and cuts batches out of it."""
+
+    def __init__(
+        self, fdir: Path, shards: Sequence[dict[str, Any]], device: torch.device | str = "cpu"
+    ) -> None:
+        self.fdir = fdir
+        self.shards = shards
+        self.device = torch.device(device)
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def batch(self, shard: int, seqs: Sequence[int]) -> Batch:
+        """The :class:`Batch` of sequences ``seqs`` of shard ``shard``."""
+        from safetensors.torch import load_file
+
+        if self._cached is None or self._cached[0] != shard:
+            self._cached = None
+            self._cached = (shard, load_file(str(self.fdir / self.shards[shard]["file"])))
+        data = self._cached[1]
+        off = data["offsets"]
+        spans = [(int(off[i]), int(off[i + 1])) for i in seqs]
+        return make_batch(
+            data["tokens"],
+            data["hidden"],
+            data["mask"],
+            spans,
+            data.get("topk_ids"),
+            data.get("topk_logp"),
+            data.get("aux"),
+        ).to(self.device)
+
+
+@torch.no_grad()
+def evaluate(
+    head: Head,
+    fdir: Path,
+    shards: Sequence[dict[str, Any]],
+    batch_tokens: int,
+    depths: int = EVAL_DEPTHS,
+) -> dict[str, float]:
+    """Held-out metrics: teacher-forced loss parts and top-1/5/10 agreement with the target's argmax, and
+    the top-1 agreement at depths 2..``depths``, where the head reads its own features (an EAGLE-3 head:
+    agreement of its draft-vocabulary ranking, a target argmax outside that vocabulary being a miss)."""
+    head.eval()
+    reader = ShardReader(fdir, shards, _device(head))
+    stats = _stats(head)
+    for shard, seqs in epoch_plan(shards, batch_tokens, 0, 0, shuffle=False):
+        stats.add(batch_loss(head, reader.batch(shard, seqs), train=False, depths=depths))
+    head.train()
+    return stats.summary()
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings."""
+
+    epochs: int = 3
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    batch_tokens: int = 2048
+    feature_noise: float = 0.0
+    ce_weight: float = CE_WEIGHT
+    reg_only_ratio: float = 0.0  # first fraction of the steps with CE weight 0 (regression-only warm-up)
+    vocab_subset: int = 0  # 0: CE over the whole vocabulary; else see subset_vocab_loss
+    depths: int = 1  # train depths 1..depths on the head's own features (batch_loss); 1 = teacher forcing
+    seed: int = 0
+    save_every_minutes: float = 5.0
+    max_minutes: float | None = None
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Any:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _eval_line(ev: dict[str, Any]) -> str:
+    """One log line of held-out metrics."""
+    deep = "".join(
+        f" top1@{k.removeprefix('top1_depth')} {v:.4f}" for k, v in ev.items() if k.startswith("top1_depth")
+    )
+    return f"top1 {ev['top1']:.4f} top5 {ev['top5']:.4f} top10 {ev['top10']:.4f} loss {ev['loss']:.4f};{deep}"
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    head: Head,
+    fdir: Path,
+    train_shards: Sequence[dict[str, Any]],
+    eval_shards: Sequence[dict[str, Any]] | None,
+    cfg: TrainConfig,
+    checkpoint: Path | None = None,
+    resume: bool = False,
+    on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
+    progress: bool = True,
+    extra_eval: dict[str, Sequence[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Train ``head`` on the train shards; returns the history (per-step losses, per-epoch eval).
+
+    Each evaluation covers ``eval_shards`` and, under their names, the sets of ``extra_eval``
+    (e.g. the target's own MT-bench answers).
+    ``checkpoint``: file for resumable state (written every ``cfg.save_every_minutes`` and after each
+    epoch); with ``resume`` it is loaded first and training continues at the next batch.
+    ``on_epoch_end(epoch, history)`` is called after each epoch's evaluation (e.g. to export the head).
+    Stops early, after saving, once ``cfg.max_minutes`` of training time are spent.
+    """
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
+    total_steps = sum(len(p) for p in plans)
+    warmup = max(1, int(cfg.warmup_ratio * total_steps))
+    reg_only_steps = int(cfg.reg_only_ratio * total_steps)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+    history: dict[str, Any] = {"steps": [], "eval": [], "train_epochs": [], "total_steps": total_steps}
+    vocab = None
+    if cfg.vocab_subset > 0 and isinstance(head, EagleHead):  # (an EAGLE-3 head has its own vocabulary)
+        vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
+        vocab = vocab.to(head.lm_head_weight.device)
+        log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
+
+    def evaluate_all() -> dict[str, Any]:
+        assert eval_shards
+        ev: dict[str, Any] = evaluate(head, fdir, eval_shards, cfg.batch_tokens)
+        for name, shards in (extra_eval or {}).items():
+            ev[name] = evaluate(head, fdir, shards, cfg.batch_tokens)
+        return ev
+
+    epoch, step_in_epoch, global_step, train_seconds = 0, 0, 0, 0.0
+    if resume and checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        epoch, step_in_epoch = state["epoch"], state["step_in_epoch"]
+        global_step, train_seconds = state["global_step"], state["train_seconds"]
+        history = state["history"]
+        torch.set_rng_state(state["torch_rng"])
+        log(f"resumed from {checkpoint}: epoch {epoch + 1}, step {step_in_epoch} ({global_step} done)")
+    elif resume:
+        log("--resume given but no checkpoint found; starting from scratch")
+
+    def save() -> None:
+        if checkpoint is None:
+            return
+        _save_checkpoint(
+            checkpoint,
+            {
+                "head": head.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "epoch": epoch,
+                "step_in_epoch": step_in_epoch,
+                "global_step": global_step,
+                "train_seconds": train_seconds,
+                "history": history,
+                "torch_rng": torch.get_rng_state(),
+                "config": asdict(cfg),
+            },
+        )
+
+    reader = ShardReader(fdir, train_shards, _device(head))
+    head.train()
+    last_save = time.perf_counter()
+    stopped_early = False
+    while epoch < cfg.epochs:
+        plan = plans[epoch]
+        bar = tqdm(
+            total=len(plan),
+            initial=step_in_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            dynamic_ncols=True,
+            disable=not progress,
+        )
+        run = _stats(head)
+        ema: float | None = None
+        while step_in_epoch < len(plan):
+            if cfg.max_minutes is not None and train_seconds >= 60 * cfg.max_minutes:
+                stopped_early = True
+                break
+            t0 = time.perf_counter()
+            shard, seqs = plan[step_in_epoch]
+            batch = reader.batch(shard, seqs)
+            opt.zero_grad(set_to_none=True)
+            stats = batch_loss(
+                head,
+                batch,
+                train=True,
+                feature_noise=cfg.feature_noise,
+                ce_weight=0.0 if global_step < reg_only_steps else cfg.ce_weight,
+                vocab=vocab,
+                depths=cfg.depths,
+            )
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if stats.rows else 0.0
+            if stats.rows:
+                opt.step()
+            sched.step()
+            step_in_epoch += 1
+            global_step += 1
+            dt = time.perf_counter() - t0
+            train_seconds += dt
+            run.add(stats)
+            s = stats.summary()
+            ema = s["loss"] if ema is None else 0.9 * ema + 0.1 * s["loss"]
+            history["steps"].append(
+                {
+                    "step": global_step,
+                    "epoch": epoch + 1,
+                    "loss": round(s["loss"], 5),
+                    "top1": round(s["top1"], 4),
+                    "lr": sched.get_last_lr()[0],
+                    "grad_norm": round(gnorm, 4),
+                    "tokens": int(batch.tokens.numel()),
+                    "seconds": round(dt, 3),
+                }
+            )
+            r = run.summary()
+            bar.set_postfix(
+                loss=f"{ema:.3f}",
+                top1=f"{r['top1']:.3f}",
+                top5=f"{r['top5']:.3f}",
+                **({"top1_d2": f"{r['top1_depth2']:.3f}"} if "top1_depth2" in r else {}),
+                tok_s=f"{len(batch.tokens) / dt:.0f}",
+            )
+            bar.update(1)
+            if checkpoint is not None and time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
+                save()
+                last_save = time.perf_counter()
+        bar.close()
+        if stopped_early:
+            log(f"time budget of {cfg.max_minutes} min reached at epoch {epoch + 1} step {step_in_epoch}")
+            save()
+            if eval_shards:
+                ev = evaluate_all()
+                ev.update(epoch=round(epoch + step_in_epoch / max(1, len(plan)), 3), partial=True)
+                history["eval"].append(ev)
+                log(f"held-out (partial epoch) top1 {ev['top1']:.4f} top5 {ev['top5']:.4f}")
+            break
+        history["train_epochs"].append({"epoch": epoch + 1, **run.summary()})
+        if eval_shards:
+            t0 = time.perf_counter()
+            ev = evaluate_all()
+            ev.update(epoch=epoch + 1, seconds=round(time.perf_counter() - t0, 1))
+            history["eval"].append(ev)
+            log(f"epoch {epoch + 1}: held-out {_eval_line(ev)}")
+            for name in extra_eval or {}:
+                log(f"epoch {epoch + 1}: {name} {_eval_line(ev[name])}")
+        epoch += 1
+        step_in_epoch = 0
+        save()
+        last_save = time.perf_counter()
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, history)
+    history["train_seconds"] = round(train_seconds, 1)
+    history["stopped_early"] = stopped_early
+    history["completed_epochs"] = epoch
+    return history
