@@ -217,6 +217,32 @@ def _make_plan(
     return _TritonPlan(tiles, acc, ml, n_grid, num_splits, consts, region_consts)
 
 
+def _cached_plan(
+    plan_cache: dict | None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    mask: torch.Tensor,
+    tuning: tuple,
+) -> _TritonPlan:
+    """The plan of these shapes from ``plan_cache``, made (:func:`_make_plan`) and kept on a miss;
+    ``tuning``: (max_context_len, num_splits, block_q, block_n, num_warps, num_stages)."""
+    # Everything the plan depends on besides the index tensors' values (which the plan_cache
+    # contract fixes for its lifetime).
+    key = ("triton", query.shape, query.dtype, key_cache.shape[1:3], block_table.shape, mask.shape, *tuning)
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        plan = _make_plan(
+            query, key_cache, block_table, query_start_loc, context_lens, region_lens, mask, *tuning
+        )
+        if plan_cache is not None:
+            plan_cache[key] = plan
+    return plan
+
+
 def paged_tree_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -258,41 +284,10 @@ def paged_tree_attention_triton(
     q_total = query.shape[0]
     if q_total == 0 or block_table.shape[0] == 0:
         return
-    # Everything the plan depends on besides the index tensors' values (which the plan_cache
-    # contract fixes for its lifetime).
-    key = (
-        "triton",
-        query.shape,
-        query.dtype,
-        key_cache.shape[1:3],
-        block_table.shape,
-        mask.shape,
-        max_context_len,
-        num_splits,
-        block_q,
-        block_n,
-        num_warps,
-        num_stages,
+    tuning = (max_context_len, num_splits, block_q, block_n, num_warps, num_stages)
+    plan = _cached_plan(
+        plan_cache, query, key_cache, block_table, query_start_loc, context_lens, region_lens, mask, tuning
     )
-    plan = plan_cache.get(key) if plan_cache is not None else None
-    if plan is None:
-        plan = _make_plan(
-            query,
-            key_cache,
-            block_table,
-            query_start_loc,
-            context_lens,
-            region_lens,
-            mask,
-            max_context_len,
-            num_splits,
-            block_q,
-            block_n,
-            num_warps,
-            num_stages,
-        )
-        if plan_cache is not None:
-            plan_cache[key] = plan
 
     qk_scale = float(scale) * _LOG2E
     hkv = key_cache.shape[1]

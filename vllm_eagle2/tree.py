@@ -181,17 +181,8 @@ def build_dynamic_tree(
     Returns:
         :class:`DraftTree` with N = ``tree_size(mode, depth, topk, num_tokens)`` nodes.
     """
-    validate_tree_args(mode, depth, topk, num_tokens)
-    if root_logits.dim() != 2 or not root_logits.is_floating_point():
-        raise ValueError(
-            f"root_logits must be a float tensor [B, V]; got {tuple(root_logits.shape)} {root_logits.dtype}"
-        )
+    depth, topk, num_tokens = _checked_shape(root_logits, mode, depth, topk, num_tokens)
     batch, vocab = root_logits.shape
-    if mode == "chain":
-        depth, topk = min(depth, num_tokens), 1
-        num_tokens = depth
-    if topk > vocab:
-        raise ValueError(f"topk must be <= the vocabulary size {vocab}; got {topk}")
     device = root_logits.device
     k, kk = topk, topk * topk
     # In dynamic, chain and no_rerank modes a node's key is its value: no separate keys.
@@ -202,19 +193,9 @@ def build_dynamic_tree(
     # k + (L-2)*k*k + j, child j % k (in rank order) of frontier slot j // k of level L-1.
     # Level lists are concatenated once at the end instead of written per level.
     logp, tokens = vocab_topk(root_logits, k)  # [B, k], sorted descending
-    if mode == "static":
-        # The rank priors _STATIC_TOP1_LOGP + r * _STATIC_RANK_DECAY_LOGP as one arange
-        # (exact: binary fractions); the half-step margin keeps exactly k of them.
-        rank_logp = torch.arange(
-            _STATIC_TOP1_LOGP,
-            _STATIC_TOP1_LOGP + (k - 0.5) * _STATIC_RANK_DECAY_LOGP,
-            _STATIC_RANK_DECAY_LOGP,
-            device=device,
-        )
-        key = rank_logp.expand(batch, k)  # the root's key is 0
-    else:
-        # no_value caps by the root's key 0, a no-op: log-probs are <= 0.
-        key = logp
+    rank_logp = _static_rank_logp(k, device) if mode == "static" else None
+    # The root's key is 0: static keys are the rank priors; no_value's cap by it is a no-op.
+    key = rank_logp.expand(batch, k) if rank_logp is not None else logp
     level_tokens, level_values, level_keys = [tokens], [logp], [key]
     chosen_per_level: list[torch.Tensor] = []  # [B, k] frontier slots (0..k*k-1), levels 2..
 
@@ -230,12 +211,11 @@ def build_dynamic_tree(
         logp, tokens = vocab_topk(child_logits.reshape(batch * k, vocab), k)  # [B*k, k]
         logp = logp.view(batch, k, k)
         value = (frontier_value.unsqueeze(-1) + logp).view(batch, kk)
+        key = value
         if mode == "static":
             key = (frontier_key.unsqueeze(-1) + rank_logp).view(batch, kk)
         elif mode == "no_value":
             key = torch.minimum(frontier_key.unsqueeze(-1), logp).view(batch, kk)
-        else:
-            key = value
         tokens = tokens.view(batch, kk)
         level_tokens.append(tokens)
         level_values.append(value)
@@ -252,13 +232,30 @@ def build_dynamic_tree(
         if separate_keys:
             frontier_key = key.gather(1, chosen)
 
-    pool_tokens = _cat(level_tokens)  # [B, pool]
-    pool_value = _cat(level_values)
-    pool_key = _cat(level_keys) if separate_keys else pool_value
-    frontier_flag = (
-        _frontier_flags(chosen_per_level, batch, k, depth, device) if mode == "no_rerank" else None
+    pool_key = _cat(level_keys) if separate_keys else None
+    return _keep_best(
+        mode, _cat(level_tokens), _cat(level_values), pool_key, chosen_per_level, k, depth, num_tokens
     )
-    kept = _rerank(mode, pool_key, frontier_flag, num_tokens)  # [B, N] pool indices, best first
+
+
+def _keep_best(
+    mode: str,
+    pool_tokens: torch.Tensor,
+    pool_value: torch.Tensor,
+    pool_key: torch.Tensor | None,
+    chosen_per_level: list[torch.Tensor],
+    k: int,
+    depth: int,
+    num_tokens: int,
+) -> DraftTree:
+    """The best ``num_tokens`` nodes of the pool ([B, pool] tokens, path values and rerank keys,
+    None: the values) as a :class:`DraftTree`; ``chosen_per_level``: the frontier slots."""
+    batch, kk = pool_tokens.shape[0], k * k
+    frontier_flag = None
+    if mode == "no_rerank":
+        frontier_flag = _frontier_flags(chosen_per_level, batch, k, depth, pool_tokens.device)
+    key = pool_value if pool_key is None else pool_key
+    kept = _rerank(mode, key, frontier_flag, num_tokens)  # [B, N] pool indices, best first
     return DraftTree(
         tokens=pool_tokens.gather(1, kept),
         parents=_kept_parents(kept, chosen_per_level[: depth - 2], k, pool_value.shape[1]),
@@ -268,6 +265,35 @@ def build_dynamic_tree(
         # slot; (p - k) mod k (a non-negative remainder) is the rank for both.
         ranks=(kept - k).remainder(k),
         scores=pool_value.gather(1, kept),
+    )
+
+
+def _checked_shape(
+    root_logits: torch.Tensor, mode: str, depth: int, topk: int, num_tokens: int
+) -> tuple[int, int, int]:
+    """The arguments checked; returns (depth, topk, num_tokens) as the mode grows them (a chain
+    is ``min(depth, num_tokens)`` nodes of width 1)."""
+    validate_tree_args(mode, depth, topk, num_tokens)
+    if root_logits.dim() != 2 or not root_logits.is_floating_point():
+        raise ValueError(
+            f"root_logits must be a float tensor [B, V]; got {tuple(root_logits.shape)} {root_logits.dtype}"
+        )
+    if mode == "chain":
+        depth = min(depth, num_tokens)
+        return depth, 1, depth
+    if topk > root_logits.shape[1]:
+        raise ValueError(f"topk must be <= the vocabulary size {root_logits.shape[1]}; got {topk}")
+    return depth, topk, num_tokens
+
+
+def _static_rank_logp(k: int, device: torch.device) -> torch.Tensor:
+    """[k] the static mode's rank priors ``_STATIC_TOP1_LOGP + r * _STATIC_RANK_DECAY_LOGP``, as one
+    arange (exact: binary fractions); the half-step margin keeps exactly k of them."""
+    return torch.arange(
+        _STATIC_TOP1_LOGP,
+        _STATIC_TOP1_LOGP + (k - 0.5) * _STATIC_RANK_DECAY_LOGP,
+        _STATIC_RANK_DECAY_LOGP,
+        device=device,
     )
 
 
