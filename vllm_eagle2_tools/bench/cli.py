@@ -88,9 +88,7 @@ from vllm_eagle2_tools.datasets import DATASETS, load_prompts
 from vllm_eagle2_tools.engine import prepare_env
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _workload_options(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--model", type=Path, default=None, help="target folder (default models/smollm2-135m-instruct)"
     )
@@ -118,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--batch-size", type=int, default=1, help="max_num_seqs")
     p.add_argument("--batch-sizes", type=_int_list, default=None, help="sweep, e.g. 1,4,16,64 (overrides)")
+
+
+def _engine_options(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
@@ -153,6 +154,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run vLLM eagerly (default: its compiled mode; engine start-up, compilation included, is "
+        "recorded apart from the timed passes as engine_start_seconds)",
+    )
+
+
+def _timing_options(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -172,13 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then one timed pass of every engine, seconds apart (needs the memory of all of them at once)",
     )
     p.add_argument("--output", type=Path, default=Path("benchmark.json"), help="JSON file (.md/.png beside)")
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run vLLM eagerly (default: its compiled mode; engine start-up, compilation included, is "
-        "recorded apart from the timed passes as engine_start_seconds)",
-    )
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _workload_options(p.add_argument_group("what to run"))
+    _engine_options(p.add_argument_group("engines"))
+    _timing_options(p.add_argument_group("timing and output"))
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in ALL_MODES]

@@ -21,11 +21,8 @@ def _fraction(text: str) -> float:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(
-        description=recipe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def _data_and_schedule(p: argparse._ActionsContainer) -> None:
+    """The target, the data and the optimiser schedule."""
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="HF Llama-family target folder")
     p.add_argument("--output", type=Path, default=DEFAULT_HEAD, help="head folder to write")
     p.add_argument("--num-conversations", type=int, default=300, help="training conversations")
@@ -42,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--feature-dir", type=Path, default=DEFAULT_FEATURE_DIR, help="feature shard root")
     p.add_argument("--shard-tokens", type=int, default=100_000, help="tokens per feature shard")
+
+
+def _head_options(p: argparse._ActionsContainer) -> None:
+    """The head's format, size and initialisation."""
     p.add_argument(
         "--format",
         choices=["eagle", "eagle3"],
@@ -86,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "high features). --format eagle3: its fc input (default vLLM's 2,N//2,N-3 for N target layers); "
         "--format eagle: a measurement only (a head neither vLLM nor the plugin loads)",
     )
+
+
+def _run_options(p: argparse._ActionsContainer) -> None:
+    """Resuming, time limits and partial runs."""
     p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
@@ -100,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"only write {draft_vocab.FILE_NAME} (token ranking of the training replies) into --output",
     )
+
+
+def _loss_and_data_sources(p: argparse._ActionsContainer) -> None:
+    """The loss, and which replies or conversations train and evaluate."""
     p.add_argument("--ce-weight", type=float, default=CE_WEIGHT, help="L = L_reg + w * L_cls (paper: 0.1)")
     p.add_argument(
         "--reg-only-ratio",
@@ -148,6 +157,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "when --eval-conversations is 0",
     )
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(
+        description=recipe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _data_and_schedule(p.add_argument_group("data and schedule"))
+    _head_options(p.add_argument_group("head"))
+    _run_options(p.add_argument_group("run"))
+    _loss_and_data_sources(p.add_argument_group("loss and data sources"))
     return p.parse_args(argv)
 
 
