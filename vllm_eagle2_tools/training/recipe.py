@@ -101,7 +101,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,92 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     they were parsed from (None: ``sys.argv``), recorded as the command in ``training.json``.
     """
     t_start = time.perf_counter()
+    target, tcfg, tokenizer = _prepare(args)
+    eagle3 = args.format == "eagle3"
+    t0 = time.perf_counter()
+    data = _select_data(args, tokenizer)
+    train_set, eval_set, splits = data.train, data.eval, data.splits
+    select_s = time.perf_counter() - t0
+    log(
+        f"data: {len(train_set.ids)} train conversations ({train_set.num_tokens} tokens, "
+        f"{train_set.num_masked} assistant; {len(data.distilled.ids)} of them distilled), "
+        f"{len(eval_set.ids)} held-out ({eval_set.num_tokens} tokens) in {select_s:.1f} s"
+    )
+    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+    ranking = write_token_ranking(
+        args.output, train_set, f"assistant tokens of the training data of: {command}"
+    )
+    log(f"token ranking for draft_vocab_size written to {ranking}")
+    if args.draft_vocab_only:
+        return 0
+    device = _device(args.device)
+    fdir, manifest = extract_features(
+        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device
+    )
+    extract_s = time.perf_counter() - t0 - select_s
+    if args.extract_only:
+        log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
+        return 0
+
+    eval_shards = manifest["splits"]["eval"]["shards"]
+    train_shards = manifest["splits"]["train"]["shards"]
+    head, draft_ids = _make_head(args, target, tcfg, fdir, train_shards)
+    head.to(device)
+    extra_eval = {}
+    if "eval_distilled" in manifest["splits"]:
+        name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
+        extra_eval[name] = manifest["splits"]["eval_distilled"]["shards"]
+    cfg = _train_config(args)
+    checkpoint = fdir / f"checkpoint-seed{args.seed}-{_setting_key(args, cfg)}.pt"
+    init_eval: dict[str, Any] | None = None
+    previous = args.output / "training.json"
+    if args.resume and checkpoint.exists():
+        if previous.exists():
+            init_eval = json.loads(previous.read_text()).get("initial_eval")
+    else:
+        t0 = time.perf_counter()
+        init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
+        for name, shards in extra_eval.items():
+            init_eval[name] = evaluate(head, fdir, shards, args.batch_tokens)
+        init_eval["seconds"] = round(time.perf_counter() - t0, 1)
+        log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
+
+    record = _record(args, command, target, data, fdir, device, init_eval)
+    record["timings_seconds"] = {
+        "select_and_tokenize": round(select_s, 1),
+        "feature_extraction": round(extract_s, 1),
+        "features_reused": manifest.get("reused", False),
+    }
+    if eagle3:
+        record["draft_vocab_size"] = int(draft_ids.numel())
+
+    def on_epoch_end(epoch: int, history: dict[str, Any]) -> None:
+        export_head(head, args.output)
+        _write_record(args.output, record, history, t_start, final=False)
+
+    history = train(
+        head,
+        fdir,
+        train_shards,
+        eval_shards,
+        cfg,
+        checkpoint=checkpoint,
+        resume=args.resume,
+        on_epoch_end=on_epoch_end,
+        extra_eval=extra_eval,
+    )
+    export_head(head, args.output)
+    _write_record(args.output, record, history, t_start, final=True)
+    final = history["eval"][-1] if history["eval"] else None
+    if final:
+        log(f"held-out top1 {final['top1']:.4f} top5 {final['top5']:.4f} top10 {final['top10']:.4f}")
+    log(f"head written to {args.output} in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Path, Any, Any]:
+    """Checks that need only the target's config and tokenizer, before the data and the features,
+    which take minutes to hours; seeds. Returns (target folder, its config, its tokenizer)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     target: Path = args.target.resolve()
@@ -170,7 +256,24 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if not getattr(tokenizer, "is_fast", False):
         raise SystemExit("error: a fast tokenizer (offsets) is needed to mask the assistant replies")
-    t0 = time.perf_counter()
+    return target, tcfg, tokenizer
+
+
+@dataclass
+class _Data:
+    """The selected conversations: ``train`` and ``eval``, every split to extract features of,
+    ShareGPT's counts, and the distilled and committed-reply parts of ``train``."""
+
+    train: Sequences
+    eval: Sequences
+    splits: dict[str, Sequences]
+    counts: dict[str, int]
+    distilled: Sequences
+    committed: Sequences
+    sharegpt_train: tuple[int, int, int]
+
+
+def _select_data(args: argparse.Namespace, tokenizer: Any) -> _Data:
     counts: dict[str, int] = {}
     train_set, eval_set = Sequences(), Sequences()
     if args.num_conversations or args.eval_conversations:  # (a machine without ShareGPT trains on replies)
@@ -207,39 +310,26 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if args.eval_distilled in args.distilled:
             raise SystemExit("error: --eval-distilled is also a --distilled training file")
         splits["eval_distilled"] = load_distilled(tokenizer, [args.eval_distilled], max_tokens)
-    select_s = time.perf_counter() - t0
-    log(
-        f"data: {len(train_set.ids)} train conversations ({train_set.num_tokens} tokens, "
-        f"{train_set.num_masked} assistant; {len(distilled.ids)} of them distilled), "
-        f"{len(eval_set.ids)} held-out ({eval_set.num_tokens} tokens) in {select_s:.1f} s"
-    )
-    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
-    ranking = write_token_ranking(
-        args.output, train_set, f"assistant tokens of the training data of: {command}"
-    )
-    log(f"token ranking for draft_vocab_size written to {ranking}")
-    if args.draft_vocab_only:
-        return 0
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    return _Data(train_set, eval_set, splits, counts, distilled, committed, sharegpt_train)
+
+
+def _device(name: str) -> torch.device:
+    """The training device: ``auto`` is CUDA when available."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
         # The head trains in float32; TF32 matmuls keep its 10-bit mantissa products well inside the
         # bf16 features' own rounding, at several times the speed.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    fdir, manifest = extract_features(
-        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device
-    )
-    extract_s = time.perf_counter() - t0 - select_s
-    if args.extract_only:
-        log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
-        return 0
+    return device
 
-    eval_shards = manifest["splits"]["eval"]["shards"]
-    train_shards = manifest["splits"]["train"]["shards"]
-    head: EagleHead | Eagle3Head
-    if eagle3:
+
+def _make_head(
+    args: argparse.Namespace, target: Path, tcfg: Any, fdir: Path, train_shards: list[Any]
+) -> tuple[EagleHead | Eagle3Head, torch.Tensor | None]:
+    """The head to train, initialised as the options say; with an EAGLE-3 head, also its draft
+    vocabulary's token ids (the ranking written before, filled from the features)."""
+    if args.format == "eagle3":
         fill = frequent_vocab(fdir, train_shards, args.draft_vocab, tcfg.vocab_size).tolist()
         draft_ids = select_draft_vocab(
             draft_vocab.read_ranking(args.output), args.draft_vocab, tcfg.vocab_size, fill
@@ -247,23 +337,22 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         head = build_eagle3_head(target, args.aux_layers, draft_ids, init=args.init, seed=args.seed)
         if args.init_from is not None:
             load_eagle3_weights(head, args.init_from)
-    else:
-        head = build_head(
-            target,
-            init=args.init,
-            fc_bias=args.fc_bias,
-            seed=args.seed,
-            num_layers=args.num_layers,
-            aux_layers=args.aux_layers,
-        )
-        if args.init_from is not None:
-            load_head_weights(head, args.init_from)
-    head.to(device)
-    extra_eval = {}
-    if "eval_distilled" in manifest["splits"]:
-        name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
-        extra_eval[name] = manifest["splits"]["eval_distilled"]["shards"]
-    cfg = TrainConfig(
+        return head, draft_ids
+    head = build_head(
+        target,
+        init=args.init,
+        fc_bias=args.fc_bias,
+        seed=args.seed,
+        num_layers=args.num_layers,
+        aux_layers=args.aux_layers,
+    )
+    if args.init_from is not None:
+        load_head_weights(head, args.init_from)
+    return head, None
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,
@@ -274,53 +363,57 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         feature_noise=args.feature_noise,
         ce_weight=args.ce_weight,
         reg_only_ratio=args.reg_only_ratio,
-        vocab_subset=0 if eagle3 else args.vocab_subset,
+        vocab_subset=0 if args.format == "eagle3" else args.vocab_subset,
         depths=args.train_depths,
         seed=args.seed,
         save_every_minutes=args.save_every_minutes,
         max_minutes=args.max_minutes,
     )
-    # One checkpoint per training setting: runs that differ only in (say) --ce-weight never share it.
-    # (Time budgets are left out: a resumed run may be given more minutes.)
+
+
+def _setting_key(args: argparse.Namespace, cfg: TrainConfig) -> str:
+    """8 hex digits naming the training setting: one checkpoint per setting, so runs that differ
+    only in (say) --ce-weight never share it. Time budgets are left out: a resumed run may be given
+    more minutes."""
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
     if not cfg.reg_only_ratio:
         del fields["reg_only_ratio"]  # (keeps the keys of the runs made before the option)
     init = str(args.init_from.resolve()) if args.init_from else args.init
     aux = [args.aux_layers] if args.aux_layers else []  # (keeps the keys of runs without aux layers)
-    fmt = [["eagle3", args.draft_vocab]] if eagle3 else []  # (keeps the keys of EAGLE-1/2 runs)
+    fmt = [["eagle3", args.draft_vocab]] if args.format == "eagle3" else []  # (and of EAGLE-1/2 runs)
     key = json.dumps([fields, init, args.fc_bias, args.num_layers, *aux, *fmt])
-    setting = hashlib.sha256(key.encode()).hexdigest()[:8]
-    checkpoint = fdir / f"checkpoint-seed{args.seed}-{setting}.pt"
-    init_eval: dict[str, Any] | None = None
-    previous = args.output / "training.json"
-    if args.resume and checkpoint.exists():
-        if previous.exists():
-            init_eval = json.loads(previous.read_text()).get("initial_eval")
-    else:
-        t0 = time.perf_counter()
-        init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
-        for name, shards in extra_eval.items():
-            init_eval[name] = evaluate(head, fdir, shards, args.batch_tokens)
-        init_eval["seconds"] = round(time.perf_counter() - t0, 1)
-        log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
 
-    record: dict[str, Any] = {
+
+def _record(
+    args: argparse.Namespace,
+    command: str,
+    target: Path,
+    data: _Data,
+    fdir: Path,
+    device: torch.device,
+    init_eval: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What ``training.json`` says of this run besides its history and timings."""
+    train_set, eval_set, distilled, committed = data.train, data.eval, data.distilled, data.committed
+    eval_distilled = data.splits.get("eval_distilled")
+    return {
         "command": command,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "seed": args.seed,
         "target": str(target),
         "data": {
             "source": f"{SHAREGPT[0]} ({SHAREGPT[2]})",
-            **counts,
+            **data.counts,
             "train_conversations": len(train_set.ids),
             "train_tokens": train_set.num_tokens,
             "train_assistant_tokens": train_set.num_masked,
-            "sharegpt_train_conversations_tokens_assistant": list(sharegpt_train),
+            "sharegpt_train_conversations_tokens_assistant": list(data.sharegpt_train),
             "distilled_files": [str(x) for x in args.distilled],
             "distilled_conversations": len(distilled.ids),
             "distilled_tokens": distilled.num_tokens,
             "eval_distilled": str(args.eval_distilled) if args.eval_distilled else None,
-            "eval_distilled_tokens": splits["eval_distilled"].num_tokens if extra_eval else 0,
+            "eval_distilled_tokens": eval_distilled.num_tokens if eval_distilled is not None else 0,
             "replies": str(args.replies) if args.replies else None,
             "replies_conversations": len(committed.ids),
             "replies_tokens": committed.num_tokens,
@@ -335,38 +428,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         "loss": _loss_text(args),
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "timings_seconds": {
-            "select_and_tokenize": round(select_s, 1),
-            "feature_extraction": round(extract_s, 1),
-            "features_reused": manifest.get("reused", False),
-        },
         "initial_eval": init_eval,
     }
-    if eagle3:
-        record["draft_vocab_size"] = int(draft_ids.numel())
-
-    def on_epoch_end(epoch: int, history: dict[str, Any]) -> None:
-        export_head(head, args.output)
-        _write_record(args.output, record, history, t_start, final=False)
-
-    history = train(
-        head,
-        fdir,
-        train_shards,
-        eval_shards,
-        cfg,
-        checkpoint=checkpoint,
-        resume=args.resume,
-        on_epoch_end=on_epoch_end,
-        extra_eval=extra_eval,
-    )
-    export_head(head, args.output)
-    _write_record(args.output, record, history, t_start, final=True)
-    final = history["eval"][-1] if history["eval"] else None
-    if final:
-        log(f"held-out top1 {final['top1']:.4f} top5 {final['top5']:.4f} top10 {final['top10']:.4f}")
-    log(f"head written to {args.output} in {time.perf_counter() - t_start:.0f} s")
-    return 0
 
 
 def _check_eagle3_options(args: argparse.Namespace) -> None:
