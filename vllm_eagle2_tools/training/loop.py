@@ -192,118 +192,155 @@ def train(
     ``on_epoch_end(epoch, history)`` is called after each epoch's evaluation (e.g. to export the head).
     Stops early, after saving, once ``cfg.max_minutes`` of training time are spent.
     """
-    from tqdm import tqdm
+    trainer = _Trainer(head, fdir, train_shards, eval_shards, cfg, checkpoint, extra_eval)
+    if resume:
+        trainer.resume()
+    return trainer.run(on_epoch_end, progress)
 
-    torch.manual_seed(cfg.seed)
-    plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
-    total_steps = sum(len(p) for p in plans)
-    warmup = max(1, int(cfg.warmup_ratio * total_steps))
-    reg_only_steps = int(cfg.reg_only_ratio * total_steps)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
-    history: dict[str, Any] = {"steps": [], "eval": [], "train_epochs": [], "total_steps": total_steps}
-    vocab = None
-    if cfg.vocab_subset > 0 and isinstance(head, EagleHead):  # (an EAGLE-3 head has its own vocabulary)
-        vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
-        vocab = vocab.to(head.lm_head_weight.device)
-        log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
 
-    def evaluate_all() -> dict[str, Any]:
-        assert eval_shards
-        ev: dict[str, Any] = evaluate(head, fdir, eval_shards, cfg.batch_tokens)
-        for name, shards in (extra_eval or {}).items():
-            ev[name] = evaluate(head, fdir, shards, cfg.batch_tokens)
+class _Trainer:
+    """The state of one training run: optimiser, schedule, position, history (what a checkpoint holds)."""
+
+    def __init__(
+        self,
+        head: Head,
+        fdir: Path,
+        train_shards: Sequence[dict[str, Any]],
+        eval_shards: Sequence[dict[str, Any]] | None,
+        cfg: TrainConfig,
+        checkpoint: Path | None,
+        extra_eval: dict[str, Sequence[dict[str, Any]]] | None,
+    ) -> None:
+        self.head, self.fdir, self.cfg, self.checkpoint = head, fdir, cfg, checkpoint
+        self.eval_shards, self.extra_eval = eval_shards, extra_eval or {}
+        torch.manual_seed(cfg.seed)
+        self.plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
+        total_steps = sum(len(p) for p in self.plans)
+        warmup = max(1, int(cfg.warmup_ratio * total_steps))
+        self.reg_only_steps = int(cfg.reg_only_ratio * total_steps)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(total_steps, warmup, cfg.min_lr_ratio)
+        )
+        self.history: dict[str, Any] = {
+            "steps": [],
+            "eval": [],
+            "train_epochs": [],
+            "total_steps": total_steps,
+        }
+        self.vocab = None
+        if cfg.vocab_subset > 0 and isinstance(head, EagleHead):  # (an EAGLE-3 head has its own vocabulary)
+            vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
+            self.vocab = vocab.to(head.lm_head_weight.device)
+            log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
+        self.epoch, self.step_in_epoch, self.global_step, self.train_seconds = 0, 0, 0, 0.0
+        self.reader = ShardReader(fdir, train_shards, _device(head))
+
+    def evaluate_all(self) -> dict[str, Any]:
+        assert self.eval_shards
+        ev: dict[str, Any] = evaluate(self.head, self.fdir, self.eval_shards, self.cfg.batch_tokens)
+        for name, shards in self.extra_eval.items():
+            ev[name] = evaluate(self.head, self.fdir, shards, self.cfg.batch_tokens)
         return ev
 
-    epoch, step_in_epoch, global_step, train_seconds = 0, 0, 0, 0.0
-    if resume and checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        epoch, step_in_epoch = state["epoch"], state["step_in_epoch"]
-        global_step, train_seconds = state["global_step"], state["train_seconds"]
-        history = state["history"]
+    def resume(self) -> None:
+        if self.checkpoint is None or not self.checkpoint.exists():
+            log("--resume given but no checkpoint found; starting from scratch")
+            return
+        state = torch.load(self.checkpoint, weights_only=False)
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step, self.train_seconds = state["global_step"], state["train_seconds"]
+        self.history = state["history"]
         torch.set_rng_state(state["torch_rng"])
-        log(f"resumed from {checkpoint}: epoch {epoch + 1}, step {step_in_epoch} ({global_step} done)")
-    elif resume:
-        log("--resume given but no checkpoint found; starting from scratch")
+        log(
+            f"resumed from {self.checkpoint}: epoch {self.epoch + 1}, step {self.step_in_epoch} "
+            f"({self.global_step} done)"
+        )
 
-    def save() -> None:
-        if checkpoint is None:
+    def save(self) -> None:
+        if self.checkpoint is None:
             return
         _save_checkpoint(
-            checkpoint,
+            self.checkpoint,
             {
-                "head": head.state_dict(),
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "epoch": epoch,
-                "step_in_epoch": step_in_epoch,
-                "global_step": global_step,
-                "train_seconds": train_seconds,
-                "history": history,
+                "head": self.head.state_dict(),
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(),
+                "epoch": self.epoch,
+                "step_in_epoch": self.step_in_epoch,
+                "global_step": self.global_step,
+                "train_seconds": self.train_seconds,
+                "history": self.history,
                 "torch_rng": torch.get_rng_state(),
-                "config": asdict(cfg),
+                "config": asdict(self.cfg),
             },
         )
 
-    reader = ShardReader(fdir, train_shards, _device(head))
-    head.train()
-    last_save = time.perf_counter()
-    stopped_early = False
-    while epoch < cfg.epochs:
-        plan = plans[epoch]
+    def step(self, shard: Any, seqs: Any) -> tuple[Any, Any, float]:
+        """One optimiser step on one batch, recorded in the history; returns (batch, stats, seconds)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = self.reader.batch(shard, seqs)
+        self.opt.zero_grad(set_to_none=True)
+        stats = batch_loss(
+            self.head,
+            batch,
+            train=True,
+            feature_noise=cfg.feature_noise,
+            ce_weight=0.0 if self.global_step < self.reg_only_steps else cfg.ce_weight,
+            vocab=self.vocab,
+            depths=cfg.depths,
+        )
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) if stats.rows else 0.0
+        if stats.rows:
+            self.opt.step()
+        self.sched.step()
+        self.step_in_epoch += 1
+        self.global_step += 1
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        s = stats.summary()
+        self.history["steps"].append(
+            {
+                "step": self.global_step,
+                "epoch": self.epoch + 1,
+                "loss": round(s["loss"], 5),
+                "top1": round(s["top1"], 4),
+                "lr": self.sched.get_last_lr()[0],
+                "grad_norm": round(gnorm, 4),
+                "tokens": int(batch.tokens.numel()),
+                "seconds": round(dt, 3),
+            }
+        )
+        return batch, stats, dt
+
+    def run_epoch(self, progress: bool, last_save: float) -> tuple[Any, float, bool]:
+        """The rest of the current epoch; returns (its running stats, the last save, stopped early)."""
+        from tqdm import tqdm
+
+        cfg, plan = self.cfg, self.plans[self.epoch]
         bar = tqdm(
             total=len(plan),
-            initial=step_in_epoch,
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            initial=self.step_in_epoch,
+            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
             dynamic_ncols=True,
             disable=not progress,
         )
-        run = _stats(head)
+        run = _stats(self.head)
         ema: float | None = None
-        while step_in_epoch < len(plan):
-            if cfg.max_minutes is not None and train_seconds >= 60 * cfg.max_minutes:
-                stopped_early = True
+        stopped = False
+        while self.step_in_epoch < len(plan):
+            if cfg.max_minutes is not None and self.train_seconds >= 60 * cfg.max_minutes:
+                stopped = True
                 break
-            t0 = time.perf_counter()
-            shard, seqs = plan[step_in_epoch]
-            batch = reader.batch(shard, seqs)
-            opt.zero_grad(set_to_none=True)
-            stats = batch_loss(
-                head,
-                batch,
-                train=True,
-                feature_noise=cfg.feature_noise,
-                ce_weight=0.0 if global_step < reg_only_steps else cfg.ce_weight,
-                vocab=vocab,
-                depths=cfg.depths,
-            )
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if stats.rows else 0.0
-            if stats.rows:
-                opt.step()
-            sched.step()
-            step_in_epoch += 1
-            global_step += 1
-            dt = time.perf_counter() - t0
-            train_seconds += dt
+            batch, stats, dt = self.step(*plan[self.step_in_epoch])
             run.add(stats)
-            s = stats.summary()
-            ema = s["loss"] if ema is None else 0.9 * ema + 0.1 * s["loss"]
-            history["steps"].append(
-                {
-                    "step": global_step,
-                    "epoch": epoch + 1,
-                    "loss": round(s["loss"], 5),
-                    "top1": round(s["top1"], 4),
-                    "lr": sched.get_last_lr()[0],
-                    "grad_norm": round(gnorm, 4),
-                    "tokens": int(batch.tokens.numel()),
-                    "seconds": round(dt, 3),
-                }
-            )
+            loss = stats.summary()["loss"]
+            ema = loss if ema is None else 0.9 * ema + 0.1 * loss
             r = run.summary()
             bar.set_postfix(
                 loss=f"{ema:.3f}",
@@ -313,35 +350,52 @@ def train(
                 tok_s=f"{len(batch.tokens) / dt:.0f}",
             )
             bar.update(1)
-            if checkpoint is not None and time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
-                save()
+            if self.checkpoint is not None and time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
+                self.save()
                 last_save = time.perf_counter()
         bar.close()
-        if stopped_early:
-            log(f"time budget of {cfg.max_minutes} min reached at epoch {epoch + 1} step {step_in_epoch}")
-            save()
-            if eval_shards:
-                ev = evaluate_all()
-                ev.update(epoch=round(epoch + step_in_epoch / max(1, len(plan)), 3), partial=True)
-                history["eval"].append(ev)
-                log(f"held-out (partial epoch) top1 {ev['top1']:.4f} top5 {ev['top5']:.4f}")
-            break
-        history["train_epochs"].append({"epoch": epoch + 1, **run.summary()})
-        if eval_shards:
-            t0 = time.perf_counter()
-            ev = evaluate_all()
-            ev.update(epoch=epoch + 1, seconds=round(time.perf_counter() - t0, 1))
-            history["eval"].append(ev)
-            log(f"epoch {epoch + 1}: held-out {_eval_line(ev)}")
-            for name in extra_eval or {}:
-                log(f"epoch {epoch + 1}: {name} {_eval_line(ev[name])}")
-        epoch += 1
-        step_in_epoch = 0
-        save()
+        return run, last_save, stopped
+
+    def run(
+        self, on_epoch_end: Callable[[int, dict[str, Any]], None] | None, progress: bool
+    ) -> dict[str, Any]:
+        cfg, history = self.cfg, self.history
+        self.head.train()
         last_save = time.perf_counter()
-        if on_epoch_end is not None:
-            on_epoch_end(epoch, history)
-    history["train_seconds"] = round(train_seconds, 1)
-    history["stopped_early"] = stopped_early
-    history["completed_epochs"] = epoch
-    return history
+        stopped_early = False
+        while self.epoch < cfg.epochs:
+            run, last_save, stopped_early = self.run_epoch(progress, last_save)
+            history = self.history  # (a resumed run replaced it)
+            if stopped_early:
+                log(
+                    f"time budget of {cfg.max_minutes} min reached at epoch {self.epoch + 1} "
+                    f"step {self.step_in_epoch}"
+                )
+                self.save()
+                if self.eval_shards:
+                    ev = self.evaluate_all()
+                    done = self.epoch + self.step_in_epoch / max(1, len(self.plans[self.epoch]))
+                    ev.update(epoch=round(done, 3), partial=True)
+                    history["eval"].append(ev)
+                    log(f"held-out (partial epoch) top1 {ev['top1']:.4f} top5 {ev['top5']:.4f}")
+                break
+            history["train_epochs"].append({"epoch": self.epoch + 1, **run.summary()})
+            if self.eval_shards:
+                t0 = time.perf_counter()
+                ev = self.evaluate_all()
+                ev.update(epoch=self.epoch + 1, seconds=round(time.perf_counter() - t0, 1))
+                history["eval"].append(ev)
+                log(f"epoch {self.epoch + 1}: held-out {_eval_line(ev)}")
+                for name in self.extra_eval:
+                    log(f"epoch {self.epoch + 1}: {name} {_eval_line(ev[name])}")
+            self.epoch += 1
+            self.step_in_epoch = 0
+            self.save()
+            last_save = time.perf_counter()
+            if on_epoch_end is not None:
+                on_epoch_end(self.epoch, history)
+        history = self.history
+        history["train_seconds"] = round(self.train_seconds, 1)
+        history["stopped_early"] = stopped_early
+        history["completed_epochs"] = self.epoch
+        return history
