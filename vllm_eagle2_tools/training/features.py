@@ -50,6 +50,75 @@ def frozen_target_weights(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]
     return embed, sd.get("lm_head.weight", embed)
 
 
+def _shard_plan(seqs: Sequences, shard_tokens: int) -> list[list[int]]:
+    """Sequence indices per shard: consecutive sequences up to ``shard_tokens`` tokens (at least one)."""
+    plan: list[list[int]] = [[]]
+    count = 0
+    for i, ids in enumerate(seqs.ids):
+        if plan[-1] and count + len(ids) > shard_tokens:
+            plan.append([])
+            count = 0
+        plan[-1].append(i)
+        count += len(ids)
+    return plan
+
+
+def _shard_tensors(
+    inner: nn.Module,
+    lm_head: torch.Tensor,
+    seqs: Sequences,
+    members: list[int],
+    batch: int,
+    aux_layers: Sequence[int],
+    target_topk: int,
+    bar: Any,
+) -> dict[str, torch.Tensor]:
+    """One shard's tensors (see :func:`write_feature_shards`) for the sequences ``members``."""
+    device = lm_head.device
+    hidden: list[torch.Tensor] = []
+    aux: list[torch.Tensor] = []
+    top_ids: list[torch.Tensor] = []
+    top_logp: list[torch.Tensor] = []
+    # Sequences go through the target `batch` at a time, right-padded: causal attention keeps
+    # the padding out of every real position (one at a time on a CPU, many per launch on a GPU).
+    for b in range(0, len(members), batch):
+        group = members[b : b + batch]
+        lens = [len(seqs.ids[i]) for i in group]
+        ids = torch.zeros((len(group), max(lens)), dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, : lens[r]] = torch.tensor(seqs.ids[i], dtype=torch.long)
+        keep = torch.arange(ids.shape[1])[None, :] < torch.tensor(lens)[:, None]
+        with torch.inference_mode():
+            out = inner(
+                input_ids=ids.to(device),
+                attention_mask=keep.long().to(device) if len(group) > 1 else None,
+                output_hidden_states=bool(aux_layers),
+            )
+            rows = keep.flatten().to(device)
+            h = out.last_hidden_state.flatten(0, 1)[rows].to(torch.bfloat16)
+            if aux_layers:
+                layers = [out.hidden_states[j].flatten(0, 1)[rows] for j in aux_layers]
+                aux.append(torch.cat(layers, -1).to(torch.bfloat16).cpu())
+            logp = torch.log_softmax((h @ lm_head.T).float(), -1)
+            val, idx = logp.topk(min(target_topk, logp.shape[-1]), -1)
+        hidden.append(h.cpu())
+        top_ids.append(idx.to(torch.int32).cpu())
+        top_logp.append(val.cpu())
+        bar.update(sum(lens))
+    lengths = torch.tensor([len(seqs.ids[i]) for i in members], dtype=torch.long)
+    tensors = {
+        "tokens": torch.tensor([t for i in members for t in seqs.ids[i]], dtype=torch.int32),
+        "hidden": torch.cat(hidden).contiguous(),
+        "mask": torch.tensor([m for i in members for m in seqs.masks[i]], dtype=torch.bool),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "topk_ids": torch.cat(top_ids).contiguous(),
+        "topk_logp": torch.cat(top_logp).contiguous(),
+    }
+    if aux:
+        tensors["aux"] = torch.cat(aux).contiguous()
+    return tensors
+
+
 def write_feature_shards(
     model: nn.Module,
     seqs: Sequences,
@@ -84,14 +153,7 @@ def write_feature_shards(
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan: list[list[int]] = [[]]
-    count = 0
-    for i, ids in enumerate(seqs.ids):
-        if plan[-1] and count + len(ids) > shard_tokens:
-            plan.append([])
-            count = 0
-        plan[-1].append(i)
-        count += len(ids)
+    plan = _shard_plan(seqs, shard_tokens)
     names = [f"{split}-{k:05d}.safetensors" for k in range(len(plan))]
     keys: list[str] = []
     if store is not None:
@@ -106,52 +168,11 @@ def write_feature_shards(
     bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
     inner = getattr(model, "model", model)
     lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
-    device = lm_head.device
     for k, (name, members) in enumerate(zip(names, plan)):
         shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
         if k not in todo:
             continue
-        hidden: list[torch.Tensor] = []
-        aux: list[torch.Tensor] = []
-        top_ids: list[torch.Tensor] = []
-        top_logp: list[torch.Tensor] = []
-        # Sequences go through the target `batch` at a time, right-padded: causal attention keeps
-        # the padding out of every real position (one at a time on a CPU, many per launch on a GPU).
-        for b in range(0, len(members), batch):
-            group = members[b : b + batch]
-            lens = [len(seqs.ids[i]) for i in group]
-            ids = torch.zeros((len(group), max(lens)), dtype=torch.long)
-            for r, i in enumerate(group):
-                ids[r, : lens[r]] = torch.tensor(seqs.ids[i], dtype=torch.long)
-            keep = torch.arange(ids.shape[1])[None, :] < torch.tensor(lens)[:, None]
-            with torch.inference_mode():
-                out = inner(
-                    input_ids=ids.to(device),
-                    attention_mask=keep.long().to(device) if len(group) > 1 else None,
-                    output_hidden_states=bool(aux_layers),
-                )
-                rows = keep.flatten().to(device)
-                h = out.last_hidden_state.flatten(0, 1)[rows].to(torch.bfloat16)
-                if aux_layers:
-                    layers = [out.hidden_states[j].flatten(0, 1)[rows] for j in aux_layers]
-                    aux.append(torch.cat(layers, -1).to(torch.bfloat16).cpu())
-                logp = torch.log_softmax((h @ lm_head.T).float(), -1)
-                val, idx = logp.topk(min(target_topk, logp.shape[-1]), -1)
-            hidden.append(h.cpu())
-            top_ids.append(idx.to(torch.int32).cpu())
-            top_logp.append(val.cpu())
-            bar.update(sum(lens))
-        lengths = torch.tensor([len(seqs.ids[i]) for i in members], dtype=torch.long)
-        tensors = {
-            "tokens": torch.tensor([t for i in members for t in seqs.ids[i]], dtype=torch.int32),
-            "hidden": torch.cat(hidden).contiguous(),
-            "mask": torch.tensor([m for i in members for m in seqs.masks[i]], dtype=torch.bool),
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            "topk_ids": torch.cat(top_ids).contiguous(),
-            "topk_logp": torch.cat(top_logp).contiguous(),
-        }
-        if aux:
-            tensors["aux"] = torch.cat(aux).contiguous()
+        tensors = _shard_tensors(inner, lm_head, seqs, members, batch, aux_layers, target_topk, bar)
         tmp = out_dir / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, out_dir / name)
