@@ -109,5 +109,11 @@ def assert_trees_exercised(metrics: dict[str, Any], *, branched: bool = True) ->
         assert stats["tree_rows"] > 0 and stats["kv_moves"] > 0, stats
 
 
+def pytest_unconfigure(config: Any) -> None:
+    # At exit the frozen heap would outlive the interpreter's last collection (nanobind reports
+    # its objects as leaked then).
+    gc.unfreeze()
+
+
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped, and reported so, without one)")
