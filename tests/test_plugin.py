@@ -198,6 +198,19 @@ def test_loading_the_entry_point_registers_eagle2(fresh_load):
     assert fresh_load["after"] is True
 
 
+def test_importing_the_patches_imports_nothing_of_vllm():
+    """vLLM loads the plugin while it starts: the patches reach vLLM's modules only when applied
+    (a module-level import of its EAGLE proposer once cost 15 s per process, and risks cycles)."""
+    proc = run_python(
+        """
+        import json, sys
+        import vllm_eagle2.patches
+        print(json.dumps(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))))
+        """
+    )
+    assert last_json_line(proc) == []
+
+
 def test_the_plugin_stands_alone_without_the_tools_or_their_dependencies():
     """Every plugin module imports, and the plugin registers, with the tools package and its
     dependencies unimportable: what a vLLM process loads is the plugin alone."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_eagle2 import startup
-
 from .record import set_attr
 
 
@@ -40,6 +38,8 @@ def patch_workers() -> None:
     watching; the two RPCs above."""
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_eagle2 import startup
 
     classes = [Worker]
     if current_platform.is_cpu():
