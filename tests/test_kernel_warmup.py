@@ -188,3 +188,30 @@ def test_row_counts_map_to_a_few_variants(monkeypatch) -> None:
     assert len(chunks) <= 8
     assert len(mask_variants(64)) <= 8
     assert len(attention_variants(64, g=4)) <= 10
+
+
+def test_a_tensor_parallel_rank_without_logits_takes_the_widths_from_the_config() -> None:
+    """vLLM gathers logits to the first tensor-parallel rank; the others warm up the same variants."""
+    from types import SimpleNamespace
+
+    from vllm_eagle2.config import Eagle2Settings
+    from vllm_eagle2.startup import kernel_limits
+
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 4200, get_hidden_size=lambda: 8),
+        model=SimpleNamespace(compute_logits=lambda hidden: None),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=48),
+    )
+    proposer = SimpleNamespace(
+        settings=Eagle2Settings(num_tokens=12, depth=4, topk=3),
+        runner=runner,
+        hidden_size=8,
+        dtype=torch.bfloat16,
+        device=CPU,
+        draft_vocab=SimpleNamespace(ids=torch.arange(300)),
+        d2t=None,
+        _draft_logits=lambda hidden: None,
+    )
+    limits = kernel_limits(proposer)
+    assert (limits.draft_vocab, limits.target_vocab, limits.max_topk, limits.max_nodes) == (300, 4200, 3, 13)
+    assert limits.draft_dtype == torch.bfloat16 and limits.target_dtypes == (torch.bfloat16, torch.float32)

@@ -21,23 +21,28 @@ logger = logging.getLogger("vllm.eagle2")
 
 
 def kernel_limits(proposer: Eagle2Proposer) -> StepLimits:
-    """What bounds this engine's kernel shapes (kernels/warmup.py), read from one row of
-    each logits producer (their widths and dtypes, whatever the head format)."""
+    """What bounds this engine's kernel shapes (kernels/warmup.py). The logits' widths and dtypes
+    are read from one row of each producer, whatever the head format; a tensor-parallel rank that
+    gets no logits back (vLLM gathers them to the first) falls back to the config's."""
     s = proposer.settings
+    vocab = proposer.runner.model_config.get_vocab_size()
     with torch.inference_mode():
-        draft = proposer._draft_logits(
-            torch.zeros(1, proposer.hidden_size, dtype=proposer.dtype, device=proposer.device)
+        hidden = torch.zeros(1, proposer.hidden_size, dtype=proposer.dtype, device=proposer.device)
+        draft = proposer._draft_logits(hidden)
+        target_hidden = torch.zeros(
+            1, proposer.runner.model_config.get_hidden_size(), dtype=proposer.dtype, device=proposer.device
         )
-        hidden = proposer.runner.model_config.get_hidden_size()
-        target = proposer.runner.model.compute_logits(
-            torch.zeros(1, hidden, dtype=proposer.dtype, device=proposer.device)
-        )
+        target = proposer.runner.model.compute_logits(target_hidden)
+    if draft is None:
+        draft_vocab = vocab if proposer.draft_vocab is None else len(proposer.draft_vocab.ids)
+        draft_vocab = draft_vocab if proposer.d2t is None else proposer.d2t.numel()
+    target_dtype = proposer.dtype if target is None else target.dtype
     return StepLimits(
-        draft_vocab=draft.shape[-1],
-        draft_dtype=draft.dtype,
-        target_vocab=target.shape[-1],
+        draft_vocab=draft_vocab if draft is None else draft.shape[-1],
+        draft_dtype=proposer.dtype if draft is None else draft.dtype,
+        target_vocab=vocab if target is None else target.shape[-1],
         # vLLM's logits processors hand the sampler float32 logits.
-        target_dtypes=tuple(dict.fromkeys((target.dtype, torch.float32))),
+        target_dtypes=tuple(dict.fromkeys((target_dtype, torch.float32))),
         max_topk=1 if s.tree == "chain" else s.topk,
         # The verified tree with its root, or a draft level's region and its queries.
         max_nodes=max(s.nodes_per_step, s.draft_kv_slots + s.topk) + 1,
