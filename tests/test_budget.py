@@ -16,11 +16,34 @@ from vllm_eagle2.budget import (
     AcceptanceModel,
     DraftPlan,
     allocate_nodes,
-    expected_accepted,
     plan_draft,
     step_cost,
 )
 from vllm_eagle2.costs import CostCurve
+
+
+def expected_accepted(p: np.ndarray, depth: int, topk: int, max_nodes: int) -> np.ndarray:
+    """Expected accepted drafts [max_nodes + 1] of the best n-node tree of shape (depth, topk): the
+    reference, one shape at a time, of what :func:`plan_draft` computes for every shape at once.
+
+    Grows the tree as :func:`vllm_eagle2.tree.build_dynamic_tree` would on a draft whose
+    confidences were the acceptance rates ``p`` ([>= depth, >= topk], see
+    :class:`AcceptanceModel`): a node's value is the product of ``p`` along its path, which
+    is the probability that it is accepted; each level expands the ``topk`` best nodes of
+    the level before. Entry n sums the n best values of the pool (entry 0 is 0; past the
+    pool the sum stays flat).
+    """
+    level = p[0, :topk].copy()
+    pool = [level]
+    for d in range(1, depth):
+        frontier = np.sort(level)[::-1][:topk]
+        level = (frontier[:, None] * p[d, :topk][None, :]).ravel()
+        pool.append(level)
+    values = np.sort(np.concatenate(pool))[::-1][:max_nodes]
+    out = np.zeros(max_nodes + 1)
+    out[1 : len(values) + 1] = np.cumsum(values)
+    out[len(values) + 1 :] = out[len(values)]
+    return out
 
 
 def linear_curve(max_tokens: int, fixed: float, per_token: float) -> CostCurve:

@@ -33,7 +33,6 @@ __all__ = [
     "NO_DRAFTS",
     "allocate_nodes",
     "draft_seconds",
-    "expected_accepted",
     "plan_draft",
     "step_cost",
 ]
@@ -89,29 +88,6 @@ class AcceptanceModel:
         for r in range(1, self.topk):  # then each rank from the one above, all levels at once
             out[:, r] = (self.accepts[:, r] + w * self.prior_decay * out[:, r - 1]) / denominator[:, r]
         return out
-
-
-def expected_accepted(p: np.ndarray, depth: int, topk: int, max_nodes: int) -> np.ndarray:
-    """Expected accepted drafts [max_nodes + 1] of the best n-node tree of shape (depth, topk).
-
-    Grows the tree as :func:`vllm_eagle2.tree.build_dynamic_tree` would on a draft whose
-    confidences were the acceptance rates ``p`` ([>= depth, >= topk], see
-    :class:`AcceptanceModel`): a node's value is the product of ``p`` along its path, which
-    is the probability that it is accepted; each level expands the ``topk`` best nodes of
-    the level before. Entry n sums the n best values of the pool (entry 0 is 0; past the
-    pool the sum stays flat).
-    """
-    level = p[0, :topk].copy()
-    pool = [level]
-    for d in range(1, depth):
-        frontier = np.sort(level)[::-1][:topk]
-        level = (frontier[:, None] * p[d, :topk][None, :]).ravel()
-        pool.append(level)
-    values = np.sort(np.concatenate(pool))[::-1][:max_nodes]
-    out = np.zeros(max_nodes + 1)
-    out[1 : len(values) + 1] = np.cumsum(values)
-    out[len(values) + 1 :] = out[len(values)]
-    return out
 
 
 @dataclass(frozen=True)
@@ -174,7 +150,7 @@ def plan_draft(
     """The draft shape and size that maximise the next step's expected tokens per second.
 
     A plan of shape (d, k) with n nodes per request is expected to yield
-    ``batch * (1 + E[d, k, n])`` tokens (:func:`expected_accepted`) in
+    ``batch * (1 + E[d, k, n])`` tokens (E: the summed path values of the n best nodes) in
     ``verify(batch * (1 + n)) + level(batch) + (d - 1) * level(batch * k) + draft_overhead``
     seconds: verification of every node, the root level and ``d - 1`` expansion levels of
     the draft, and the fixed costs of a step that drafts; no drafts yield ``batch`` tokens in
@@ -211,7 +187,7 @@ def plan_draft(
     expand = level(batch * topks)[:, None]  # [K, 1]
     best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
     best_nodes = np.zeros((len(topks), max_depth), np.int64)
-    # Depth by depth for every k at once, growing the trees expected_accepted grows one at a time
+    # Depth by depth for every k at once, rather than growing each shape's tree on its own
     # (at the defaults 6 rounds of array work instead of 60 shapes of it). Row k - 1 holds
     # topk k: ``pool`` its best max_nodes path values so far (0 = no node) and ``level_values``
     # its last level's, both best first; ``ranked`` says which of K ranks topk k has.
