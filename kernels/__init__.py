@@ -10,7 +10,6 @@ from .tree_mask import (
     TreeMasks,
     build_tree_masks,
     pack_tree_mask,
-    unpack_tree_mask,
 )
 from .vocab_topk import vocab_topk
 
@@ -27,6 +26,5 @@ __all__ = [
     "kv_cache_views",
     "pack_tree_mask",
     "paged_tree_attention",
-    "unpack_tree_mask",
     "vocab_topk",
 ]

@@ -43,7 +43,6 @@ Two interchangeable backends compute these:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -56,7 +55,6 @@ __all__ = [
     "TreeMasks",
     "build_tree_masks",
     "pack_tree_mask",
-    "unpack_tree_mask",
 ]
 
 #: ``parents`` value of a child of the root.
@@ -81,18 +79,11 @@ class TreeMasks:
             + 1 otherwise, 0 for padding.
         positions: ``[B, N]`` int64 ``context_lens[:, None] - 1 + depths``
             when ``context_lens`` was given, else None.
-        dense: ``[B, N, N]`` bool, the same mask unpacked.  Computed on first
-            access from ``packed`` (the verifier's attention reads bits: unpacking
-            on every call would cost launches).
     """
 
     packed: torch.Tensor
     depths: torch.Tensor
     positions: torch.Tensor | None
-
-    @cached_property
-    def dense(self) -> torch.Tensor:
-        return unpack_tree_mask(self.packed, self.packed.shape[1])
 
 
 # --------------------------------------------------------------------------- #
@@ -165,26 +156,6 @@ def pack_tree_mask(dense: torch.Tensor) -> torch.Tensor:
     words = (bits.view(*lead, w, _BITS) * weights).sum(-1)  # in [0, 2**32)
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
-
-
-def unpack_tree_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Unpack int32 mask words ``[..., W]`` into a bool mask ``[..., n]``.
-
-    Inverse of :func:`pack_tree_mask` / ``TreeMasks.packed``: element ``j``
-    of the result is bit ``j % 32`` of word ``j // 32``.  Requires
-    ``n <= 32 * W``.  For ``packed`` of shape ``[B, N, W]`` and ``n = N``
-    this returns the dense ``[B, N, N]`` ancestor-or-self mask.
-    """
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed must be int32, got {packed.dtype}")
-    if packed.dim() < 1:
-        raise ValueError("packed must have at least one dimension")
-    w = packed.shape[-1]
-    if n < 0 or n > w * _BITS:
-        raise ValueError(f"n={n} does not fit in {w} packed words")
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1  # arithmetic shift is fine: & 1
-    return bits.flatten(-2)[..., :n].to(torch.bool)
 
 
 # --------------------------------------------------------------------------- #

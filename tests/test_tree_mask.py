@@ -20,13 +20,13 @@ import torch
 from aten_ops import AtenOps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mask_bits import dense_mask, unpack_tree_mask
 
 from vllm_eagle2.kernels import (
     HAS_TRITON,
     TreeMasks,
     build_tree_masks,
     tree_mask,
-    unpack_tree_mask,
 )
 
 SIZES = [1, 5, 31, 32, 33, 60, 64, 65]
@@ -108,15 +108,15 @@ def reference(parents: torch.Tensor, context_lens: torch.Tensor | None) -> TreeM
             for i in range(n):
                 positions[bi, i] = int(context_lens[bi]) - 1 + int(depths[bi, i])
     masks = TreeMasks(packed=packed, depths=depths, positions=positions)
-    assert torch.equal(masks.dense, dense)  # the reference's own packing round-trips
+    assert torch.equal(dense_mask(masks), dense)  # the reference's own packing round-trips
     return masks
 
 
 def assert_masks_equal(got: TreeMasks, want: TreeMasks) -> None:
-    assert got.dense.dtype == torch.bool
+    assert dense_mask(got).dtype == torch.bool
     assert got.packed.dtype == torch.int32
     assert got.depths.dtype == torch.int64
-    assert torch.equal(got.dense, want.dense)
+    assert torch.equal(dense_mask(got), dense_mask(want))
     assert torch.equal(got.packed, want.packed)
     assert torch.equal(got.depths, want.depths)
     if want.positions is None:
@@ -144,7 +144,7 @@ def test_torch_matches_reference(kind: str, n: int, b: int) -> None:
     parents = make_parents(kind, b, n)
     ctx = ctx_for(b)
     got = build_tree_masks(parents, ctx, backend="torch")
-    assert got.dense.shape == (b, n, n)
+    assert dense_mask(got).shape == (b, n, n)
     assert got.packed.shape == (b, n, (n + 31) // 32)
     assert_masks_equal(got, reference(parents, ctx))
 
@@ -172,7 +172,7 @@ def test_empty_shapes() -> None:
     for b, n in [(0, 5), (2, 0), (0, 0)]:
         parents = torch.empty(b, n, dtype=torch.int64)
         got = build_tree_masks(parents, torch.ones(b, dtype=torch.int64), backend="torch")
-        assert got.dense.shape == (b, n, n)
+        assert dense_mask(got).shape == (b, n, n)
         assert got.packed.shape == (b, n, (n + 31) // 32)
         assert got.depths.shape == (b, n)
         assert got.positions is not None and got.positions.shape == (b, n)
@@ -278,26 +278,26 @@ def check_properties(parents: torch.Tensor, ctx: torch.Tensor, m: TreeMasks) -> 
     valid = parents != -2
     eye = torch.eye(n, dtype=torch.bool)
     # Diagonal True exactly for real nodes; padding rows and columns all False.
-    assert torch.equal(m.dense.diagonal(dim1=1, dim2=2), valid)
-    assert not m.dense[~valid].any()
-    assert not (m.dense & ~valid[:, None, :]).any()
+    assert torch.equal(dense_mask(m).diagonal(dim1=1, dim2=2), valid)
+    assert not dense_mask(m)[~valid].any()
+    assert not (dense_mask(m) & ~valid[:, None, :]).any()
     # Lower-triangular (ancestors precede descendants).
-    assert not (m.dense & ~torch.ones(n, n, dtype=torch.bool).tril()).any()
+    assert not (dense_mask(m) & ~torch.ones(n, n, dtype=torch.bool).tril()).any()
     for bi in range(b):
         for i in range(n):
             par = p[bi][i]
             if par == -2:
                 assert m.depths[bi, i] == 0
             elif par == -1:
-                assert torch.equal(m.dense[bi, i], eye[i])
+                assert torch.equal(dense_mask(m)[bi, i], eye[i])
                 assert m.depths[bi, i] == 1
             else:
-                assert torch.equal(m.dense[bi, i], m.dense[bi, par] | eye[i])
+                assert torch.equal(dense_mask(m)[bi, i], dense_mask(m)[bi, par] | eye[i])
                 assert m.depths[bi, i] == m.depths[bi, par] + 1
-    assert torch.equal(m.depths, m.dense.sum(-1))
+    assert torch.equal(m.depths, dense_mask(m).sum(-1))
     assert m.positions is not None
     assert torch.equal(m.positions, ctx[:, None] - 1 + m.depths)
-    assert torch.equal(unpack_tree_mask(m.packed, n), m.dense)
+    assert torch.equal(unpack_tree_mask(m.packed, n), dense_mask(m))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -377,13 +377,6 @@ def test_invalid_context_lens_and_backend() -> None:
         build_tree_masks(parents, torch.tensor([1.0]))
     with pytest.raises(ValueError, match="backend"):
         build_tree_masks(parents, backend="cuda")
-
-
-def test_unpack_rejects_bad_input() -> None:
-    with pytest.raises(ValueError):
-        unpack_tree_mask(torch.zeros(1, 1, dtype=torch.int64), 3)
-    with pytest.raises(ValueError):
-        unpack_tree_mask(torch.zeros(1, 1, dtype=torch.int32), 33)
 
 
 def test_triton_masks_are_one_launch_without_dtype_copies(monkeypatch: pytest.MonkeyPatch) -> None:
