@@ -15,8 +15,11 @@ setup(
     # vllm_eagle2.kernels: a top-level module named `kernels` exists on the package index.
     packages=[
         "vllm_eagle2",
+        "vllm_eagle2.budget",
+        "vllm_eagle2.engine",
         "vllm_eagle2.kernels",
         "vllm_eagle2.patches",
+        "vllm_eagle2.verify",
         "vllm_eagle2_tools",
         "vllm_eagle2_tools.training",
         "vllm_eagle2_tools.testing",

@@ -8,6 +8,7 @@ from .tree_mask import (
     PAD_PARENT,
     ROOT_PARENT,
     TreeMasks,
+    ancestor_tables,
     build_tree_masks,
     pack_tree_mask,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "PAD_PARENT",
     "ROOT_PARENT",
     "TreeMasks",
+    "ancestor_tables",
     "build_tree_masks",
     "check_cpu_kv_layout",
     "cpu_backend",

@@ -163,25 +163,34 @@ def pack_tree_mask(dense: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _dense_depths_torch(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestor-or-self mask and depths by pointer jumping.
+def ancestor_tables(parents: torch.Tensor) -> list[torch.Tensor]:
+    """Pointer-jumping tables of a batch of trees: table r, [B, N + 1] int64, holds every node's
+    ancestor 2**r hops up.
 
-    Invariant after ``k`` rounds: ``anc[b, i]`` = ancestors of ``i`` at
-    distance ``< 2**k`` (self included) and ``jump[b, i]`` = the ancestor at
-    distance ``2**k`` (or the null slot ``N``).  ``ceil(log2 N)`` rounds
-    cover the longest possible chain (distance ``N - 1``).
+    parents: [B, N] int64, < 0 = child of the root (or padding). The root is an extra node N
+    that points to itself, so jumping past it needs no masking. ``max(1, ceil(log2 N))``
+    tables: enough to cover the longest chain (N - 1 hops).
+    """
+    n = parents.shape[1]
+    up = torch.nn.functional.pad(torch.where(parents < 0, n, parents), (0, 1), value=n)
+    tables = [up]
+    for _ in range(max(0, n - 1).bit_length() - 1):
+        tables.append(tables[-1].gather(1, tables[-1]))
+    return tables
+
+
+def _dense_depths_torch(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self mask and depths by pointer jumping (:func:`ancestor_tables`).
+
+    Invariant after round r: ``anc[b, i]`` = ancestors of ``i`` at distance ``< 2**(r + 1)``
+    (self included); the root row N is all False.
     """
     b, n = parents.shape
-    dev = parents.device
-    null = n  # extra all-False row that every missing ancestor points to
-    jump = torch.where(parents >= 0, parents, torch.full_like(parents, null))
-    jump = torch.cat([jump, torch.full((b, 1), null, dtype=torch.int64, device=dev)], 1)
-    anc = torch.zeros(b, n + 1, n, dtype=torch.bool, device=dev)
+    anc = torch.zeros(b, n + 1, n, dtype=torch.bool, device=parents.device)
     valid = parents != PAD_PARENT
-    anc[:, :n] = torch.eye(n, dtype=torch.bool, device=dev).unsqueeze(0) & valid[:, :, None]
-    for _ in range((n - 1).bit_length() if n > 0 else 0):
-        anc = anc | torch.gather(anc, 1, jump[:, :, None].expand(b, n + 1, n))
-        jump = torch.gather(jump, 1, jump)
+    anc[:, :n] = torch.eye(n, dtype=torch.bool, device=parents.device).unsqueeze(0) & valid[:, :, None]
+    for up in ancestor_tables(parents):
+        anc = anc | torch.gather(anc, 1, up[:, :, None].expand(b, n + 1, n))
     dense = anc[:, :n]
     depths = dense.sum(-1, dtype=torch.int64)
     return dense, depths

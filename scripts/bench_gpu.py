@@ -27,7 +27,7 @@ import torch
 
 from vllm_eagle2_tools.gpu_bench import Shapes, Timing, bench_attention, bench_tree_core, run_checks
 
-TINY = Shapes(vocab=2000, depth=3, topk=4, num_tokens=12, heads=4, kv_heads=2, head_size=32)
+TINY = Shapes(vocab=2000, depth=3, topk=4, num_nodes=12, heads=4, kv_heads=2, head_size=32)
 
 
 def _ints(text: str) -> list[int]:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batch_sizes:
         for context in contexts:
             for queries in args.queries:
-                q = min(queries, shapes.num_tokens)
+                q = min(queries, shapes.num_nodes)
                 rows += bench_attention(
                     shapes, batch, context, q, device, repeats=args.repeats, baseline=baseline
                 )

@@ -49,7 +49,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_eagle2 import attention
+    from vllm_eagle2.engine import attention
     from vllm_eagle2.kernels import kv_cache_views, paged_tree_attention
 
     if args.tiny:

@@ -5,9 +5,9 @@ the model runner's and the drafter's methods from outside (nothing of the plugin
 
 * ``target forward``: ``GPUModelRunner.execute_model`` (input preparation and the target's forward
   over root + tree nodes), less the tree preparation below;
-* ``tree masks / positions``: ``vllm_eagle2.runner.prepare_tree_verification``;
-* ``verification``: ``vllm_eagle2.runner.sample_with_trees`` (greedy / rejection walk over each tree,
-  vLLM's sampler at the root), less the KV moves;
+* ``tree masks / positions``: ``vllm_eagle2.engine.verification.prepare_tree_verification``;
+* ``verification``: ``vllm_eagle2.engine.verification.sample_with_trees`` (greedy / rejection walk
+  over each tree, vLLM's sampler at the root), less the KV moves;
 * ``KV moves``: ``_move_accepted_path`` (accepted path's KV and rows to the slots after the root);
 * ``draft: catch-up pass`` and ``draft: expansion passes``: the head's forwards (first pass over the
   accepted tokens; one pass per further tree level), each with its ``lm_head``;

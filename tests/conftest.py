@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from vllm_eagle2_tools.cpu_env import configure_cpu_env
 
 configure_cpu_env()  # before vllm is imported anywhere
@@ -53,7 +55,7 @@ def run_llm(
 
     metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
     holds the adaptive budget's counters (None with the fixed budget) and "eagle2" what the tree
-    verification exercised (:class:`vllm_eagle2.runner.VerifyCounters`).
+    verification exercised (:class:`vllm_eagle2.engine.verification.VerifyCounters`).
     """
     from vllm import LLM
 
@@ -115,5 +117,54 @@ def pytest_unconfigure(config: Any) -> None:
     gc.unfreeze()
 
 
+#: Every test module by layer, each a marker: ``pytest -m core`` runs the engine-free core (tree,
+#: verification, budget, kernels against their twins) in a few minutes, ``-m engine`` the plugin
+#: inside vLLM engines, ``-m tools`` the benchmark, training and scripts, ``-m gpu`` the CUDA checks.
+LAYERS = {
+    "core": {
+        "test_tree",
+        "test_verify",
+        "test_budget",
+        "test_fuzz_core",
+        "test_tree_mask",
+        "test_tree_attention",
+        "test_vocab_topk",
+        "test_kernel_warmup",
+        "test_runner",
+    },
+    "engine": {
+        "test_plugin",
+        "test_engine_lossless",
+        "test_engine_requests",
+        "test_sampling_lossless",
+        "test_eagle3_heads",
+        "test_reliability",
+        "test_serve",
+    },
+    "tools": {
+        "test_bench_rounds",
+        "test_replies",
+        "test_results_doc",
+        "test_scripts",
+        "test_train_head",
+        "test_tiny_models",
+        "test_quickstart",
+    },
+    "gpu": {"test_gpu"},
+}
+
+
 def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped, and reported so, without one)")
+    config.addinivalue_line("markers", "core: the engine-free core: tree, verification, budget, kernels")
+    config.addinivalue_line("markers", "engine: the plugin inside vLLM engines (lossless, requests, serving)")
+    config.addinivalue_line("markers", "tools: benchmark, training, results docs and scripts")
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        layers = [layer for layer, modules in LAYERS.items() if module in modules]
+        if len(layers) != 1:
+            raise pytest.UsageError(f"tests/conftest.py: put {module} in exactly one of LAYERS")
+        item.add_marker(layers[0])

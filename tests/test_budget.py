@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_eagle2.budget import (
+from vllm_eagle2.budget.costs import CostCurve
+from vllm_eagle2.budget.decisions import (
     NO_DRAFTS,
     AcceptanceModel,
     DraftPlan,
@@ -19,7 +20,6 @@ from vllm_eagle2.budget import (
     plan_draft,
     step_cost,
 )
-from vllm_eagle2.costs import CostCurve
 
 
 def expected_accepted(p: np.ndarray, depth: int, topk: int, max_nodes: int) -> np.ndarray:
@@ -167,7 +167,7 @@ def plan(batch: int, target: CostCurve, level: CostCurve, overhead: float = 0.0,
 def test_plan_is_no_drafts_when_verification_is_expensive():
     # Each verified token costs as much as the whole step: drafts never pay.
     chosen = plan(4, linear_curve(4096, 0.0, 1.0), linear_curve(64, 0.0, 0.001))
-    assert not chosen.drafts and chosen.num_tokens == 0
+    assert not chosen.drafts and chosen.num_nodes == 0
 
 
 def test_plan_is_the_full_tree_when_verification_and_drafting_are_free():
@@ -187,7 +187,7 @@ def test_plan_never_exceeds_the_upper_bounds():
     chosen = plan(
         1, linear_curve(4096, 1.0, 0.0), linear_curve(64, 0.0, 0.0), max_depth=3, max_topk=2, max_nodes=5
     )
-    assert chosen.depth <= 3 and chosen.topk <= 2 and chosen.num_tokens <= 5
+    assert chosen.depth <= 3 and chosen.topk <= 2 and chosen.num_nodes <= 5
 
 
 def test_plan_is_no_drafts_when_verifying_steps_cost_more_than_plain_ones():
@@ -211,7 +211,7 @@ def test_step_cost_is_the_price_the_plan_was_chosen_on():
     costs = dict(target=target, level=level, overhead=0.002, verify=verify, draft_overhead=0.003)
     chosen = plan(1, **costs)
     assert chosen.drafts
-    gain = expected_accepted(acceptance(), chosen.depth, chosen.topk, chosen.num_tokens)[chosen.per_request]
+    gain = expected_accepted(acceptance(), chosen.depth, chosen.topk, chosen.num_nodes)[chosen.per_request]
     assert chosen.rate * step_cost(chosen, 1, **costs) == pytest.approx(1 + gain)
 
 
@@ -274,7 +274,7 @@ def test_plan_is_the_best_shape_of_an_exhaustive_search(chain_only):
 
 def test_chain_plan_keeps_every_node_of_its_depth():
     chosen = plan(1, linear_curve(4096, 0.01, 0.001), linear_curve(64, 0.001, 0.0), chain_only=True)
-    assert chosen.topk == 1 and chosen.num_tokens == chosen.depth == chosen.per_request > 0
+    assert chosen.topk == 1 and chosen.num_nodes == chosen.depth == chosen.per_request > 0
 
 
 # --- allocation ---------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_allocation_values_are_probabilities_at_most_one():
 
 
 def test_verification_outcomes_land_in_the_acceptance_table():
-    from vllm_eagle2.adaptive import AdaptiveBudget
+    from vllm_eagle2.budget.adaptive import AdaptiveBudget
 
     budget = AdaptiveBudget(
         depth=3, topk=2, max_nodes=6, chain=False, max_batch=1, max_tokens=64, device=torch.device("cpu")
@@ -376,7 +376,7 @@ def test_observations_rescale_the_sizes_never_observed():
 
 
 def make_budget(**kw):
-    from vllm_eagle2.adaptive import AdaptiveBudget
+    from vllm_eagle2.budget.adaptive import AdaptiveBudget
 
     kw = {"depth": 3, "topk": 2, "max_nodes": 6, "chain": False, "max_batch": 16, "max_tokens": 256, **kw}
     budget = AdaptiveBudget(device=torch.device("cpu"), **kw)
@@ -390,7 +390,7 @@ def make_budget(**kw):
 def test_acceptance_measured_low_drifts_back_to_the_prior_while_nothing_is_drafted():
     # A first few drafts all rejected (here 100 at depth 1) must not rule drafting out for good:
     # the counts keep being discounted in steps without drafts, so the budget tries again.
-    from vllm_eagle2.budget import NO_DRAFTS
+    from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     budget = make_budget()
     budget.stats[0, :2] = 100.0  # trials at depth 1, ranks 0 and 1; no acceptances
@@ -461,7 +461,7 @@ def fake_clock(monkeypatch) -> list[float]:
     """The budget's times and its Clock's read ``now[0]`` seconds; returns ``now``."""
     from types import SimpleNamespace
 
-    from vllm_eagle2 import adaptive, costs
+    from vllm_eagle2.budget import adaptive, costs
 
     now = [0.0]
     clock = SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
@@ -471,7 +471,7 @@ def fake_clock(monkeypatch) -> list[float]:
 
 
 def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
-    from vllm_eagle2.budget import NO_DRAFTS
+    from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     now = fake_clock(monkeypatch)
     budget = make_budget()
@@ -513,7 +513,7 @@ def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
 def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price(monkeypatch):
     """The head's catch-up pass over a prompt (in the overhead of a step without drafts, in the
     root level of a drafting one) is paid whatever the step drafts: it must not price either."""
-    from vllm_eagle2.budget import NO_DRAFTS
+    from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     now = fake_clock(monkeypatch)
     budget = make_budget()
@@ -553,7 +553,7 @@ def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
 def test_verifier_width_follows_the_adaptive_budget_counts():
     from types import SimpleNamespace
 
-    from vllm_eagle2.runner import _verify_width
+    from vllm_eagle2.engine.verification import _verify_width
 
     adaptive = SimpleNamespace(num_spec_tokens=60, drafter=SimpleNamespace(budget=object()))
     assert _verify_width(adaptive, [3, 0, 1]) == 4  # a power of two: few shapes
@@ -585,8 +585,8 @@ def test_budget_stops_planning_drafts_the_allocation_does_not_send():
 
 
 def test_budget_retries_drafting_within_a_replan_after_the_allocation_sent_nothing():
-    from vllm_eagle2.adaptive import REPLAN_STEPS
-    from vllm_eagle2.budget import NO_DRAFTS
+    from vllm_eagle2.budget.adaptive import REPLAN_STEPS
+    from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     budget = make_budget()
     plan = budget.plan(1)

@@ -20,7 +20,7 @@ import pytest
 from conftest import acceptance_length, assert_trees_exercised, run_llm
 
 from vllm_eagle2 import draft_vocab
-from vllm_eagle2.costs import COSTS_ENV
+from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2_tools.testing import build_eagle_head, build_pair, build_target
 
 MAX_TOKENS = 40
@@ -152,7 +152,7 @@ def test_compiled_mode_accepts_as_many_drafts_as_eager(m12):
 
 def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference, monkeypatch):
     """Negative control: these tests see a verifier that leaves accepted off-chain K/V in place."""
-    from vllm_eagle2 import attention
+    from vllm_eagle2.engine import attention
 
     monkeypatch.setattr(attention, "move_kv", lambda kept, *args: kept.clear())
     outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
@@ -162,7 +162,7 @@ def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference
 
 def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, reference, monkeypatch):
     """Negative control: these tests see tree rows that attend to their siblings' K/V too."""
-    from vllm_eagle2 import runner
+    from vllm_eagle2.engine import verification as runner
 
     build = runner.build_tree_masks
 
@@ -193,7 +193,7 @@ def test_head_passes_padded_as_for_a_cuda_graph_stay_exact(models, prompts, refe
     padding runs without the graph: rows past the batch with stale inputs and no KV write."""
     from vllm.config import CUDAGraphMode
 
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     padded = []
 
@@ -287,7 +287,7 @@ def never_drafting(models, prompts) -> tuple[list[list[int]], dict, Counter]:
     calls of vLLM's rejection sampler and of the head's passes and its draft ``lm_head``)."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     calls = Counter()
     spec = eagle2(models["noisy"], budget="adaptive", num_speculative_tokens=12, depth=4, topk=3)
@@ -358,8 +358,8 @@ def test_greedy_every_tree_mode_equals_no_speculation(models, prompts, reference
 def test_chain_drafts_verify_on_vllms_causal_attention_alone(models, prompts, reference):
     """Drafts on their tree's leading chain need no tree mask: a step of chains publishes no tree
     batch and moves no KV (every accepted path is already in place)."""
-    from vllm_eagle2 import attention
-    from vllm_eagle2 import runner as tree_runner
+    from vllm_eagle2.engine import attention
+    from vllm_eagle2.engine import verification as tree_runner
 
     calls = Counter()
     spec = eagle2(models["noisy"], num_speculative_tokens=3, depth=3, topk=1)

@@ -154,7 +154,7 @@ def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
 
 
 def test_model_defaults_that_turn_drafts_off_are_named():
-    from vllm_eagle2.eligibility import drafting_blockers
+    from vllm_eagle2.engine.eligibility import drafting_blockers
 
     assert drafting_blockers({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}) == [
         "repetition_penalty=1.05"
@@ -165,7 +165,7 @@ def test_model_defaults_that_turn_drafts_off_are_named():
 def _warm_up_on_this_cpu(worker) -> dict:
     """In the worker: the drafter's kernel limits and caches, warmed up under the Triton
     interpreter as the GPU worker does it before vLLM's JIT monitor starts."""
-    from vllm_eagle2 import attention, startup
+    from vllm_eagle2.engine import attention, startup
     from vllm_eagle2.kernels.warmup import warm_up_kernels
 
     drafter = worker.model_runner.drafter

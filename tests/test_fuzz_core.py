@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_eagle2.tree import TREE_MODES, build_dynamic_tree, pool_size
-from vllm_eagle2.verify import verify_greedy, verify_tree
+from vllm_eagle2.verify.verifier import verify_greedy, verify_tree
 
 
 def garbage_logits(gen: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_garbage_drafts_never_change_what_is_emitted(
 ):
     topk = min(topk, vocab)
     gen = torch.Generator().manual_seed(seed)
-    num_tokens = max(1, round(frac * pool_size(depth, topk)))
+    num_nodes = max(1, round(frac * pool_size(depth, topk)))
 
     def step(tokens, prev_slots, level):
         return garbage_logits(gen, (*tokens.shape, vocab), kind)
@@ -69,7 +69,7 @@ def test_garbage_drafts_never_change_what_is_emitted(
         step,
         depth=depth,
         topk=topk,
-        num_tokens=num_tokens,
+        num_nodes=num_nodes,
         mode=mode,
     )
     n = tree.num_nodes

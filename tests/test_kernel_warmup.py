@@ -195,7 +195,7 @@ def test_a_tensor_parallel_rank_without_logits_takes_the_widths_from_the_config(
     from types import SimpleNamespace
 
     from vllm_eagle2.config import Eagle2Settings
-    from vllm_eagle2.startup import kernel_limits
+    from vllm_eagle2.engine.startup import kernel_limits
 
     runner = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 4200, get_hidden_size=lambda: 8),
@@ -203,7 +203,7 @@ def test_a_tensor_parallel_rank_without_logits_takes_the_widths_from_the_config(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=48),
     )
     proposer = SimpleNamespace(
-        settings=Eagle2Settings(num_tokens=12, depth=4, topk=3),
+        settings=Eagle2Settings(num_nodes=12, depth=4, topk=3),
         runner=runner,
         hidden_size=8,
         dtype=torch.bfloat16,

@@ -275,8 +275,9 @@ def test_the_gpu_worker_warms_eagle2_kernels_up_just_before_vllms_jit_monitor_st
     import vllm.utils.jit_monitor
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_eagle2 import patches, startup
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2 import patches
+    from vllm_eagle2.engine import startup
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     assert patches.apply()
     calls = []
@@ -325,7 +326,7 @@ def test_config_method_stays_eagle2(config):
 
 def test_config_carries_the_tree_settings(config):
     settings = config.speculative_config.eagle2
-    assert (settings.num_tokens, settings.depth, settings.topk, settings.tree) == (12, 4, 3, "dynamic")
+    assert (settings.num_nodes, settings.depth, settings.topk, settings.tree) == (12, 4, 3, "dynamic")
     assert config.speculative_config.num_speculative_tokens == 12
 
 
@@ -552,7 +553,7 @@ def test_data_parallel_moe_targets_are_refused_at_start_up(models, monkeypatch):
     ],
 )
 def test_attention_the_tree_kernel_does_not_apply_is_refused_when_the_layers_load(feature, value, words):
-    from vllm_eagle2 import attention
+    from vllm_eagle2.engine import attention
 
     class FlashAttentionImpl:  # a stock impl, as vLLM's FLASH_ATTN builds it, with one feature on
         sliding_window, logits_soft_cap, alibi_slopes, sinks, kv_cache_dtype = (-1, -1), 0, None, None, "auto"

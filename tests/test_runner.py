@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_eagle2 import attention
+from vllm_eagle2.engine import attention, verification
+from vllm_eagle2.engine.step import Eagle2Step
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.tree import off_leading_chain
 
@@ -59,17 +60,21 @@ def _batch(keep_kv: bool = False) -> attention.TreeBatch:
 
 
 def test_tree_batch_is_active_inside_its_with_only():
-    with pytest.raises(RuntimeError, match="no tree batch is active"):
-        attention.active_tree_forward()
+    assert attention._active is None  # what every wrapped layer reads
     batch = _batch()
     with attention.tree_batch(batch) as forward:
-        assert attention.active_tree_forward() is forward and forward.batch is batch
-    with pytest.raises(RuntimeError, match="no tree batch is active"):
-        attention.active_tree_forward()
+        assert attention._active is forward and forward.batch is batch
+    assert attention._active is None
     with pytest.raises(ValueError, match="boom"), attention.tree_batch(batch):
         raise ValueError("boom")  # a forward that fails does not leave its batch behind
+    assert attention._active is None
+
+
+def test_verification_refuses_to_prepare_outside_a_step():
     with pytest.raises(RuntimeError, match="no tree batch is active"):
-        attention.active_tree_forward()
+        verification.prepare_tree_verification(SimpleNamespace(), None, None)
+    with pytest.raises(RuntimeError, match="no tree batch is active"):
+        verification.prepare_tree_verification(SimpleNamespace(), Eagle2Step(), None)
 
 
 def test_tree_batch_scopes_do_not_nest_and_publish_once():
@@ -77,7 +82,7 @@ def test_tree_batch_scopes_do_not_nest_and_publish_once():
         assert forward.batch is None
         with pytest.raises(RuntimeError, match="do not nest"), attention.tree_batch(_batch()):
             pass
-        assert attention.active_tree_forward() is forward  # the refused scope changed nothing
+        assert attention._active is forward  # the refused scope changed nothing
         batch = _batch()
         forward.publish(batch)
         with pytest.raises(RuntimeError, match="already has a tree batch"):

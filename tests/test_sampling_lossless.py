@@ -23,7 +23,7 @@ from conftest import run_llm
 from scipy.stats import chi2_contingency
 
 from vllm_eagle2 import draft_vocab
-from vllm_eagle2.costs import COSTS_ENV
+from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
@@ -183,7 +183,7 @@ def test_a_biased_verifier_fails_the_compiled_top_k_top_p_test(pair, filtered_re
 def _sharpen_the_verifier(monkeypatch) -> None:
     """The right algorithm on a wrongly tempered target distribution (the engine runs in this process,
     run_llm's default, so its worker sees the patched verifier)."""
-    from vllm_eagle2 import runner
+    from vllm_eagle2.engine import verification as runner
 
     exact = runner.verify_tree
 

@@ -42,10 +42,12 @@ def _run_script(
                 "--head",
                 "--num-prompts",
                 "--max-tokens",
+                "--rounds",
                 "--num-speculative-tokens",
                 "--depth",
                 "--topk",
                 "--tree",
+                "--budget",
                 "--draft-vocab",
                 "--dtype",
                 "--temperature",
@@ -210,7 +212,7 @@ def test_measurements_name_the_cpu_model_and_the_flags_its_kernels_depend_on() -
 
 def test_benchmark_never_mode_starts_eagle2_under_costs_where_no_draft_pays(tmp_path: Path) -> None:
     """``never`` is eagle2 with the adaptive budget priced so that every draft loses (its engine's env)."""
-    from vllm_eagle2.costs import COSTS_ENV
+    from vllm_eagle2.budget.costs import COSTS_ENV
     from vllm_eagle2_tools.bench.cli import parse_args
     from vllm_eagle2_tools.bench.config import NEVER_COSTS, plan_runs, resolve_target
     from vllm_eagle2_tools.testing import build_pair
@@ -417,3 +419,37 @@ def test_smoke_check_fails_on_a_difference_or_a_compiled_tau_drop() -> None:
     assert not differs.passed and "compiled: 1 of 1 outputs differ (first at tokens [2])" in differs.reasons
     slower = judge(four([[1, 2, 3]], 9.0))
     assert not slower.passed and "compiled tau 1.900 is not within 2% of eager tau 2.000" in slower.reasons
+
+
+def test_benchmark_runs_own_prompts_and_the_ngram_drafter_on_the_tiny_pair(tmp_path: Path) -> None:
+    """``--prompts FILE`` (a plain prompt and a chat), and vLLM's ``ngram`` as a row beside no
+    speculation; the record names the file and the commit measured."""
+    import json
+
+    prompts = tmp_path / "mine.jsonl"
+    loop = " ".join(["the cat sat on the mat"] * 6)
+    chat = {"messages": [{"role": "user", "content": "repeat: a b c d a b c d a b c d"}]}
+    prompts.write_text("\n".join([json.dumps({"prompt": loop}), "", json.dumps(chat)]) + "\n")
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "16"]
+    argv += ["--modes", "nospec,ngram", "--eagle-k", "3", "--enforce-eager", "--output", str(out)]
+    # Engine cores in the script's process: each engine starts in half the time.
+    proc = _run_script("benchmark.py", *argv, timeout=900, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["setup"]["dataset"] == f"file:{prompts}"
+    assert record["setup"]["num_prompts"] == 2
+    assert record["setup"]["commit"]  # the commit measured, "+dirty" with uncommitted changes
+    rows = {row["label"]: row for row in record["all_rows"]}
+    assert set(rows) == {"no speculation", "vLLM ngram k=3"}
+    ngram = rows["vLLM ngram k=3"]
+    assert ngram["drafts"] > 0 and ngram["identical"] == ngram["compared"] == 2, ngram
+
+
+def test_benchmark_refuses_suffix_decoding_before_starting_anything_without_its_package() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is not None:
+        pytest.skip("arctic-inference is installed here: the suffix row runs instead")
+    proc = _run_script("benchmark.py", "--tiny", "--modes", "nospec,suffix")
+    assert proc.returncode == 2 and "mode suffix needs" in proc.stderr and "arctic-inference" in proc.stderr

@@ -44,11 +44,11 @@ class PathDraft:
         )
 
 
-def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=node_logits):
+def reference_tree(root_path, vocab, seed, depth, topk, num_nodes, mode, fn=node_logits):
     """One request's tree, node by node, straight from the definition."""
     if mode == "chain":
-        depth, topk = min(depth, num_tokens), 1
-        num_tokens = depth
+        depth, topk = min(depth, num_nodes), 1
+        num_nodes = depth
     f32 = torch.float32
     nodes = []  # dict(path, token, parent, depth, value, key, frontier)
 
@@ -108,9 +108,9 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
             (i for i, n in enumerate(nodes) if not n["frontier"]),
             key=lambda i: (-float(nodes[i]["value"]), i),
         )
-        kept = (front + rest)[:num_tokens]  # frontier nodes in drafting order, then by value
+        kept = (front + rest)[:num_nodes]  # frontier nodes in drafting order, then by value
     else:
-        kept = best(range(len(nodes)), num_tokens)  # best first
+        kept = best(range(len(nodes)), num_nodes)  # best first
     where = {pool_id: pos for pos, pool_id in enumerate(kept)}
     return (
         [nodes[i]["token"] for i in kept],
@@ -121,10 +121,10 @@ def reference_tree(root_path, vocab, seed, depth, topk, num_tokens, mode, fn=nod
     )
 
 
-def run_fast(batch, vocab, seed, depth, topk, num_tokens, mode, fn=node_logits):
+def run_fast(batch, vocab, seed, depth, topk, num_nodes, mode, fn=node_logits):
     draft = PathDraft([(1000 + b,) for b in range(batch)], vocab, seed, fn)
     tree = build_dynamic_tree(
-        draft.root_logits(), draft, depth=depth, topk=topk, num_tokens=num_tokens, mode=mode
+        draft.root_logits(), draft, depth=depth, topk=topk, num_nodes=num_nodes, mode=mode
     )
     return tree, draft
 
@@ -139,16 +139,16 @@ def assert_is_tree(tree):
 
 @pytest.mark.parametrize("mode", TREE_MODES)
 @pytest.mark.parametrize(
-    ("depth", "topk", "num_tokens"),
+    ("depth", "topk", "num_nodes"),
     [(6, 10, 60), (4, 3, 12), (3, 4, 36), (1, 5, 3), (2, 1, 2), (5, 2, 7), (3, 3, 21)],
 )
-def test_tree_matches_loop_reference(mode, depth, topk, num_tokens):
+def test_tree_matches_loop_reference(mode, depth, topk, num_nodes):
     vocab, seed, batch = 64, 7, 3
-    tree, draft = run_fast(batch, vocab, seed, depth, topk, num_tokens, mode)
-    assert tree.tokens.shape == (batch, tree_size(mode, depth, topk, num_tokens))
+    tree, draft = run_fast(batch, vocab, seed, depth, topk, num_nodes, mode)
+    assert tree.tokens.shape == (batch, tree_size(mode, depth, topk, num_nodes))
     for b in range(batch):
         tokens, parents, depths, ranks, scores = reference_tree(
-            (1000 + b,), vocab, seed, depth, topk, num_tokens, mode
+            (1000 + b,), vocab, seed, depth, topk, num_nodes, mode
         )
         assert tree.tokens[b].tolist() == tokens
         assert tree.parents[b].tolist() == parents
@@ -159,25 +159,25 @@ def test_tree_matches_loop_reference(mode, depth, topk, num_tokens):
 
 
 def test_draft_step_called_once_per_level_after_the_first():
-    _, draft = run_fast(2, 32, 0, depth=6, topk=4, num_tokens=20, mode="dynamic")
+    _, draft = run_fast(2, 32, 0, depth=6, topk=4, num_nodes=20, mode="dynamic")
     assert draft.calls == [2, 3, 4, 5, 6]
 
 
 def test_chain_is_the_top1_path_and_stops_at_num_tokens():
-    tree, draft = run_fast(2, 32, 0, depth=6, topk=4, num_tokens=3, mode="chain")
+    tree, draft = run_fast(2, 32, 0, depth=6, topk=4, num_nodes=3, mode="chain")
     assert draft.calls == [2, 3]
     assert tree.parents.tolist() == [[-1, 0, 1]] * 2
 
 
 def test_each_row_grows_its_own_tree():
-    tree, _ = run_fast(4, 64, 3, depth=4, topk=3, num_tokens=15, mode="dynamic")
+    tree, _ = run_fast(4, 64, 3, depth=4, topk=3, num_nodes=15, mode="dynamic")
     shapes = {tuple(tree.parents[b].tolist()) for b in range(4)}
     assert len(shapes) > 1
 
 
 def test_static_shape_does_not_depend_on_the_draft():
-    a, _ = run_fast(3, 64, 1, depth=5, topk=4, num_tokens=25, mode="static")
-    b, _ = run_fast(3, 64, 2, depth=5, topk=4, num_tokens=25, mode="static")
+    a, _ = run_fast(3, 64, 1, depth=5, topk=4, num_nodes=25, mode="static")
+    b, _ = run_fast(3, 64, 2, depth=5, topk=4, num_nodes=25, mode="static")
     assert torch.equal(a.parents, b.parents) and torch.equal(a.depths, b.depths)
     assert (a.parents == a.parents[0]).all()
 
@@ -196,9 +196,9 @@ def tied_logprobs(path, vocab, seed):
 
 @pytest.mark.parametrize("fn", [one_hot_logprobs, tied_logprobs], ids=["prob1", "ties"])
 @pytest.mark.parametrize("mode", TREE_MODES)
-@pytest.mark.parametrize(("depth", "topk", "num_tokens"), [(4, 3, 30), (4, 3, 5), (3, 2, 10), (1, 1, 1)])
-def test_adversarial_inputs_still_give_ancestor_closed_trees(fn, mode, depth, topk, num_tokens):
-    tree, _ = run_fast(2, 16, 0, depth, topk, num_tokens, mode, fn=fn)
+@pytest.mark.parametrize(("depth", "topk", "num_nodes"), [(4, 3, 30), (4, 3, 5), (3, 2, 10), (1, 1, 1)])
+def test_adversarial_inputs_still_give_ancestor_closed_trees(fn, mode, depth, topk, num_nodes):
+    tree, _ = run_fast(2, 16, 0, depth, topk, num_nodes, mode, fn=fn)
     assert_is_tree(tree)
     if mode in ("dynamic", "chain"):
         # Best first: path values never increase along the kept order.
@@ -239,13 +239,13 @@ def test_nan_in_draft_logits_is_never_preferred():
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(depth=0, topk=2, num_tokens=2), "depth"),
-        (dict(depth=2, topk=0, num_tokens=2), "topk"),
-        (dict(depth=2, topk=2, num_tokens=0), "num_tokens"),
-        (dict(depth=2, topk=2, num_tokens=7), "num_tokens"),
-        (dict(depth=2, topk=2, num_tokens=2, mode="wide"), "mode"),
-        (dict(depth=2, topk=20, num_tokens=2), "topk"),
-        (dict(depth=2.5, topk=2, num_tokens=2), "depth"),
+        (dict(depth=0, topk=2, num_nodes=2), "depth"),
+        (dict(depth=2, topk=0, num_nodes=2), "topk"),
+        (dict(depth=2, topk=2, num_nodes=0), "num_nodes"),
+        (dict(depth=2, topk=2, num_nodes=7), "num_nodes"),
+        (dict(depth=2, topk=2, num_nodes=2, mode="wide"), "mode"),
+        (dict(depth=2, topk=20, num_nodes=2), "topk"),
+        (dict(depth=2.5, topk=2, num_nodes=2), "depth"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):
@@ -255,10 +255,10 @@ def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):
 
 def test_shape_mismatches_raise_value_error():
     with pytest.raises(ValueError, match="root_logits"):
-        build_dynamic_tree(torch.zeros(16), lambda *a: None, depth=1, topk=2, num_tokens=2)
+        build_dynamic_tree(torch.zeros(16), lambda *a: None, depth=1, topk=2, num_nodes=2)
     with pytest.raises(ValueError, match="draft_step"):
         build_dynamic_tree(
-            torch.zeros(1, 16), lambda t, s, lvl: torch.zeros(1, 2, 8), depth=2, topk=2, num_tokens=2
+            torch.zeros(1, 16), lambda t, s, lvl: torch.zeros(1, 2, 8), depth=2, topk=2, num_nodes=2
         )
 
 
@@ -272,10 +272,10 @@ def test_shape_mismatches_raise_value_error():
     seed=st.integers(0, 10_000),
 )
 def test_random_settings_give_trees_with_parents_first(batch, depth, topk, frac, mode, seed):
-    num_tokens = max(1, round(frac * pool_size(depth, topk)))
-    tree, _ = run_fast(batch, 24, seed, depth, topk, num_tokens, mode)
+    num_nodes = max(1, round(frac * pool_size(depth, topk)))
+    tree, _ = run_fast(batch, 24, seed, depth, topk, num_nodes, mode)
     assert_is_tree(tree)
-    assert tree.tokens.shape == (batch, tree_size(mode, depth, topk, num_tokens))
+    assert tree.tokens.shape == (batch, tree_size(mode, depth, topk, num_nodes))
     # A node's value is its parent's plus a log-prob <= 0.
     parent_score = torch.where(tree.parents >= 0, tree.scores.gather(1, tree.parents.clamp(min=0)), 0.0)
     assert (tree.scores <= parent_score + 1e-6).all()
@@ -313,7 +313,7 @@ def test_tree_equals_the_pre_vocab_topk_golden_trees(case):
     # The golden trees are in level order, ours best first: the same nodes, reordered.
     root, step = golden_inputs(case["seed"], case["batch"], case["vocab"])
     tree = build_dynamic_tree(
-        root, step, depth=case["depth"], topk=case["topk"], num_tokens=case["num_tokens"], mode=case["mode"]
+        root, step, depth=case["depth"], topk=case["topk"], num_nodes=case["num_nodes"], mode=case["mode"]
     )
     for b in range(case["batch"]):
         ours = tree_nodes(tree.tokens, tree.parents, tree.scores, b)
@@ -332,7 +332,7 @@ def test_low_precision_logits_give_the_tree_of_their_float32_values():
             lambda tokens, prev_slots, level, dtype=dtype: levels[level - 2].to(dtype),
             depth=4,
             topk=4,
-            num_tokens=20,
+            num_nodes=20,
         )
         for dtype in (torch.bfloat16, torch.float32)
     ]
@@ -353,14 +353,14 @@ def test_tree_build_has_no_host_sync(mode):
         return torch.empty(batch, tokens.shape[1], vocab, dtype=torch.bfloat16, device=meta)
 
     tree = build_dynamic_tree(
-        torch.empty(batch, vocab, device=meta), step, depth=4, topk=3, num_tokens=10, mode=mode
+        torch.empty(batch, vocab, device=meta), step, depth=4, topk=3, num_nodes=10, mode=mode
     )
     n = tree_size(mode, 4, 3, 10)
     for field in (tree.tokens, tree.parents, tree.depths, tree.scores):
         assert field.device == meta and field.shape == (batch, n)
 
 
-def count_tree_ops(depth: int, mode: str = "dynamic", topk: int = 10, num_tokens: int = 60) -> int:
+def count_tree_ops(depth: int, mode: str = "dynamic", topk: int = 10, num_nodes: int = 60) -> int:
     batch, vocab = 2, 1000
     gen = torch.Generator().manual_seed(0)
     root = torch.randn(batch, vocab, generator=gen)
@@ -372,7 +372,7 @@ def count_tree_ops(depth: int, mode: str = "dynamic", topk: int = 10, num_tokens
             lambda tokens, prev_slots, level: levels[level - 2],
             depth=depth,
             topk=topk,
-            num_tokens=min(num_tokens, pool_size(depth, topk)),
+            num_nodes=min(num_nodes, pool_size(depth, topk)),
             mode=mode,
         )
     return counter.total

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from vllm_eagle2 import verify, verify_logits
 from vllm_eagle2.kernels import HAS_TRITON
-from vllm_eagle2.verify import (
+from vllm_eagle2.verify import logits as verify_logits
+from vllm_eagle2.verify import verifier as verify
+from vllm_eagle2.verify.verifier import (
     apply_top_k_top_p,
     target_probs,
     verify_greedy,
-    verify_sampling,
     verify_tree,
 )
 
@@ -199,12 +199,19 @@ def sequential_sampler(probs: torch.Tensor, rng: random.Random, *, bug: str | No
         node = accepted
 
 
+def verify_probs(tokens, parents, probs, *, generators=None, seed=None):
+    """Sampled verification against target probabilities [B, N + 1, V] (T = 1 over their logs):
+    the tests' distributions are tables of probabilities."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    temperature = torch.ones(tokens.shape[0], device=tokens.device)
+    return verify_tree(tokens, parents, probs.log(), temperature=temperature, generators=generators)
+
+
 def fast_outputs(probs: torch.Tensor, seed: int) -> list[list[int]]:
     tokens = torch.tensor([TREE_TOKENS] * DRAWS)
     parents = torch.tensor([TREE_PARENTS] * DRAWS)
-    result = verify_sampling(
-        tokens, parents, probs.expand(DRAWS, -1, -1), generator=torch.Generator().manual_seed(seed)
-    )
+    result = verify_probs(tokens, parents, probs.expand(DRAWS, -1, -1), seed=seed)
     n_out = result.num_accepted + 1
     # Accepted nodes must form a connected path and carry the emitted tokens.
     for b in range(0, DRAWS, 997):
@@ -243,7 +250,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch(probs):
     parents = torch.tensor([TREE_PARENTS] * 6)
     batch = probs.expand(6, -1, -1)
     runs = [
-        verify_sampling(
+        verify_probs(
             tokens,
             parents,
             batch,
@@ -251,7 +258,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_batch(probs):
         )
         for _ in range(2)
     ]
-    alone = verify_sampling(
+    alone = verify_probs(
         tokens[:1], parents[:1], batch[:1], generators={0: torch.Generator().manual_seed(42)}
     )
     assert torch.equal(runs[0].output_tokens[[2, 4]], runs[1].output_tokens[[2, 4]])
@@ -321,7 +328,7 @@ def test_accepted_paths_are_connected_and_emit_their_tokens(n, vocab, seed, temp
 
 
 def test_a_seeded_row_draws_the_same_numbers_whatever_the_batch(probs):
-    alone = verify_sampling(
+    alone = verify_probs(
         torch.tensor([TREE_TOKENS]),
         torch.tensor([TREE_PARENTS]),
         probs.unsqueeze(0),
@@ -330,7 +337,7 @@ def test_a_seeded_row_draws_the_same_numbers_whatever_the_batch(probs):
     # The same request next to a deeper tree and with padding nodes appended.
     deep_tokens = [0, 1, 2, 3, 4, 0, 1, -1]
     deep_parents = [-1, 0, 1, 2, 3, 4, 5, -1]
-    mixed = verify_sampling(
+    mixed = verify_probs(
         torch.tensor([deep_tokens, TREE_TOKENS + [-1]]),
         torch.tensor([deep_parents, TREE_PARENTS + [-1]]),
         torch.cat([probs, probs[:1]]).unsqueeze(0).expand(2, -1, -1),
@@ -347,7 +354,6 @@ def test_results_have_fixed_widths():
     for result in (
         verify_greedy(tokens, parents, logits),
         verify_tree(tokens, parents, logits, temperature=torch.ones(1)),
-        verify_sampling(tokens, parents, logits.softmax(-1)),
     ):
         assert result.accepted_nodes.shape == (1, 4)
         assert result.output_tokens.shape == (1, 5)
@@ -358,7 +364,7 @@ def test_seeded_rows_draw_a_fixed_count_per_call(probs):
     """N + 2 numbers per seeded row and call, whatever its tree: no sync to size them."""
     gen, twin = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     tokens, parents = torch.tensor([TREE_TOKENS]), torch.tensor([TREE_PARENTS])
-    verify_sampling(tokens, parents, probs.unsqueeze(0), generators={0: gen})
+    verify_probs(tokens, parents, probs.unsqueeze(0), generators={0: gen})
     torch.rand(len(TREE_TOKENS) + 2, generator=twin)
     assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=twin))
 
@@ -401,20 +407,20 @@ def _tied_logits(dtype: torch.dtype) -> torch.Tensor:
 def test_fused_argmax_lse_matches_the_cpu_path(dtype, monkeypatch):
     logits = _tied_logits(dtype)
     scale = torch.tensor([1.0, 1 / 0.7, 1 / 1.9])
-    want_best, want_lse = verify_logits._argmax_lse(logits, scale)
+    want_best, want_lse = verify_logits.argmax_lse(logits, scale)
     assert torch.equal(want_best, logits.argmax(-1))
     exact = (logits.double() * scale.double().view(3, 1, 1)).logsumexp(-1)
     torch.testing.assert_close(want_lse.double(), exact, atol=1e-5, rtol=1e-6)
     monkeypatch.setattr(verify_logits, "_CPU_CHUNK_ELEMS", 5000)  # chunked: 1 row of 3 at a time
-    chunked_best, chunked_lse = verify_logits._argmax_lse(logits, scale)
+    chunked_best, chunked_lse = verify_logits.argmax_lse(logits, scale)
     assert torch.equal(chunked_best, want_best)
     torch.testing.assert_close(chunked_lse, want_lse, atol=1e-6, rtol=1e-6)
 
     _force_vocab_kernel(monkeypatch)
-    best, lse = verify_logits._argmax_lse(logits, scale)
+    best, lse = verify_logits.argmax_lse(logits, scale)
     assert torch.equal(best, want_best)  # bf16 holds more ties at the maximum: first index
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
-    best, lse = verify_logits._argmax_lse(logits, None)
+    best, lse = verify_logits.argmax_lse(logits, None)
     assert torch.equal(best, want_best) and lse is None
 
 
@@ -509,15 +515,18 @@ def test_matches_the_level_walk_on_golden_cases(cpu_blocks, monkeypatch):
         n = tokens.shape[1]
         temperature, top_k, top_p = case["temperature"], case["top_k"], case["top_p"]
         u = _golden_uniforms(case["uniforms"], n)
-        _assert_golden(verify_greedy(tokens, parents, logits), case["greedy"], n)
-        probs = target_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p)
-        sampled = verify._verify(tokens, parents, probs=probs, uniforms=u)
+        greedy = verify_greedy(tokens, parents, logits)
+        _assert_golden(greedy, case["greedy"], n)
+        # Every row sampled (greedy rows at T = 1, as the golden walk drew them) ...
+        every = torch.where(temperature > 0, temperature, 1.0)
+        sampled = verify._verify(
+            tokens, parents, logits=logits, temperature=every, top_k=top_k, top_p=top_p, uniforms=u
+        )
         _assert_golden(sampled, case["sampled"], n)
-        # From logits, greedy and sampled rows mixed: each row matches its own golden.
+        # ... and greedy and sampled rows mixed: each row matches its own golden.
         mixed = verify._verify(
             tokens, parents, logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=u
         )
-        greedy = verify_greedy(tokens, parents, logits)
         for b in range(tokens.shape[0]):
             want = greedy if temperature[b] <= 0 else sampled
             assert torch.equal(mixed.output_tokens[b], want.output_tokens[b]), (case["seed"], b)
@@ -542,7 +551,6 @@ def _run_all(tokens, parents, logits, seeded: bool):
     gens = {1: torch.Generator(tokens.device).manual_seed(1)} if seeded else None
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0][:batch], device=tokens.device)
     verify_greedy(tokens, parents, logits)
-    verify_sampling(tokens, parents, logits.softmax(-1), generators=gens)
     verify_tree(tokens, parents, logits, temperature=temperature, generators=gens)
     if tokens.device.type != "cpu":  # on CPU top-k/top-p compacts the rows it sorts, on purpose
         k = torch.full((batch,), 5, device=tokens.device)
@@ -580,7 +588,6 @@ def _op_counts(fn) -> int:
 # T = 1 was 173 (Off CPU 160) before the fused read's lse replaced the softmax statistics.
 GREEDY_OPS = 92
 SAMPLED_OPS = 170
-FROM_PROBS_OPS = 124
 
 
 def test_verify_launch_budget():
@@ -588,11 +595,8 @@ def test_verify_launch_budget():
     temperature = torch.ones(4)
     greedy = _op_counts(lambda: verify_greedy(tokens, parents, logits))
     sampled = _op_counts(lambda: verify_tree(tokens, parents, logits, temperature=temperature))
-    probs = logits.softmax(-1)
-    from_probs = _op_counts(lambda: verify_sampling(tokens, parents, probs))
     assert greedy <= GREEDY_OPS, greedy
     assert sampled <= SAMPLED_OPS, sampled
-    assert from_probs <= FROM_PROBS_OPS, from_probs
     assert sampled <= 2 * greedy  # sampling costs at most twice greedy
     # Fixed shape: a chain as deep as the tree costs exactly the same.
     chain = torch.arange(60).expand(4, 60) - 1
@@ -602,8 +606,8 @@ def test_verify_launch_budget():
 def test_top_k_top_p_on_the_cuda_path_samples_as_the_cpu_path(monkeypatch):
     """Off CPU every row is filtered, in groups of requests that bound the sort's memory; the
     probabilities at the drafted tokens, and so every draw, are the CPU path's."""
-    from vllm_eagle2 import verify_logits
     from vllm_eagle2.device import CUDA_PATH_ENV
+    from vllm_eagle2.verify import logits as verify_logits
 
     tokens, parents, logits = _batch(4, 12, 300, seed=3)
     temperature = torch.tensor([0.7, 1.0, 0.9, 1.3])

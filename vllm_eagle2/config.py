@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2 import draft_vocab
-from vllm_eagle2.tree import TREE_MODES, pool_size, tree_size
+from vllm_eagle2.tree import tree_size, validate_tree_args
 
 #: ``kv_cache_dtype`` values of an unquantized cache, the only kind eagle2's tree attention reads.
 UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
@@ -24,7 +24,7 @@ DEFAULT_TOPK = 10
 DEFAULT_NUM_TOKENS = 60
 DEFAULT_TREE = "dynamic"
 #: ``adaptive``: each step drafts and verifies what pays on this machine at this batch size,
-#: with m, depth and topk as upper bounds (:mod:`vllm_eagle2.adaptive`); ``fixed``: always
+#: with m, depth and topk as upper bounds (:mod:`vllm_eagle2.budget.adaptive`); ``fixed``: always
 #: the full (m, depth, topk) tree.
 BUDGETS = ("adaptive", "fixed")
 DEFAULT_BUDGET = "adaptive"
@@ -43,7 +43,7 @@ class Eagle2ConfigError(ValueError):
 class Eagle2Settings:
     """Validated eagle2 settings.
 
-    num_tokens: tree nodes verified per step (the paper's m, vLLM's num_speculative_tokens).
+    num_nodes: tree nodes verified per step (the paper's m, vLLM's num_speculative_tokens).
     depth: draft levels; topk: children per expanded node and frontier width.
     tree: one of :data:`vllm_eagle2.tree.TREE_MODES`.
     budget: one of :data:`BUDGETS`; with ``adaptive`` the three sizes above are upper bounds.
@@ -56,7 +56,7 @@ class Eagle2Settings:
     by the plugin, :func:`vllm_eagle2.head_files.check_head`).
     """
 
-    num_tokens: int = DEFAULT_NUM_TOKENS
+    num_nodes: int = DEFAULT_NUM_TOKENS
     depth: int = DEFAULT_DEPTH
     topk: int = DEFAULT_TOPK
     tree: str = DEFAULT_TREE
@@ -69,13 +69,22 @@ class Eagle2Settings:
     @property
     def nodes_per_step(self) -> int:
         """Draft tokens sent to the target per step (fewer than m in ``chain`` mode)."""
-        return tree_size(self.tree, self.depth, self.topk, self.num_tokens)
+        return tree_size(self.tree, self.depth, self.topk, self.num_nodes)
 
     @property
     def draft_kv_slots(self) -> int:
         """KV slots the draft tree writes past a request's end (expanded frontier nodes)."""
         width = 1 if self.tree == "chain" else self.topk
         return (self.depth - 1) * width
+
+
+#: The speculative_config fields of the tree's arguments, for its error messages.
+_TREE_FIELDS = {
+    "mode": "speculative_config.tree",
+    "depth": "speculative_config.depth",
+    "topk": "speculative_config.topk",
+    "num_nodes": "speculative_config.num_speculative_tokens",
+}
 
 
 def _int_field(name: str, value: Any, low: int, high: int | None = None) -> int:
@@ -87,27 +96,20 @@ def _int_field(name: str, value: Any, low: int, high: int | None = None) -> int:
 
 def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
     """Validate the eagle2 fields of a speculative_config dict (not modified)."""
-    tree = spec.get("tree", DEFAULT_TREE)
-    if tree not in TREE_MODES:
-        raise Eagle2ConfigError(
-            f"speculative_config.tree must be one of {', '.join(TREE_MODES)}; got {tree!r}"
-        )
     budget = spec.get("budget", DEFAULT_BUDGET)
     if budget not in BUDGETS:
         raise Eagle2ConfigError(
             f"speculative_config.budget must be one of {', '.join(BUDGETS)}; got {budget!r}"
         )
+    tree = spec.get("tree", DEFAULT_TREE)
     depth = _int_field("depth", spec.get("depth", DEFAULT_DEPTH), 1, 64)
     topk = _int_field("topk", spec.get("topk", DEFAULT_TOPK), 1, 64)
     raw_m = spec.get("num_speculative_tokens")
-    num_tokens = _int_field("num_speculative_tokens", DEFAULT_NUM_TOKENS if raw_m is None else raw_m, 1)
-    if tree != "chain":
-        pool = pool_size(depth, topk)
-        if num_tokens > pool:
-            raise Eagle2ConfigError(
-                f"speculative_config.num_speculative_tokens must be in [1, {pool}] (the tree pool "
-                f"topk + (depth-1)*topk^2 for depth={depth}, topk={topk}); got {num_tokens}"
-            )
+    num_nodes = _int_field("num_speculative_tokens", DEFAULT_NUM_TOKENS if raw_m is None else raw_m, 1)
+    try:
+        validate_tree_args(tree, depth, topk, num_nodes, names=_TREE_FIELDS)
+    except ValueError as exc:
+        raise Eagle2ConfigError(str(exc)) from None
     raw_vocab = spec.get("draft_vocab_size", AUTO)
     draft_vocab_size = None if raw_vocab == AUTO else _vocab_field(raw_vocab)
     if draft_vocab_size is not None and 0 < draft_vocab_size < topk:
@@ -116,7 +118,7 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
             f"got {draft_vocab_size}"
         )
     return Eagle2Settings(
-        num_tokens=num_tokens,
+        num_nodes=num_nodes,
         depth=depth,
         topk=topk,
         tree=tree,

@@ -15,8 +15,8 @@ from vllm.model_executor.models.utils import maybe_prefix
 class Eagle2LlamaForCausalLM(EagleLlamaForCausalLM):
     """vLLM's ``EagleLlamaForCausalLM`` with ``fc`` biased when the checkpoint has ``fc.bias``.
 
-    The config flag ``eagle_fc_bias`` is set by the plugin after reading the head's
-    tensor names (see :func:`vllm_eagle2.config.head_tensor_names`).
+    The config flag ``eagle_fc_bias`` is set by the plugin from the head's tensor names
+    (:mod:`vllm_eagle2.patches.speculative_config`, via :mod:`vllm_eagle2.head_files`).
     """
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:

@@ -11,7 +11,7 @@ each node's log-softmax, taken straight from the head's logits by
   confidences along the path), all ``topk**2`` children join the candidate pool and the
   next frontier is the *global* top-``topk`` of them;
 * after ``depth`` levels the whole pool (``topk + (depth - 1) * topk**2`` nodes) is
-  reranked and the ``num_tokens`` best nodes are kept, best first: every prefix of the
+  reranked and the ``num_nodes`` best nodes are kept, best first: every prefix of the
   result is the best tree of its size, so a budget can cut it anywhere.
 
 Ties always go to the node drafted first (shallower, then higher-ranked), which keeps
@@ -105,32 +105,32 @@ def pool_size(depth: int, topk: int) -> int:
     return topk + (depth - 1) * topk * topk
 
 
-def tree_size(mode: str, depth: int, topk: int, num_tokens: int) -> int:
+def tree_size(mode: str, depth: int, topk: int, num_nodes: int) -> int:
     """Number of nodes ``build_dynamic_tree`` returns per request for these settings."""
     if mode == "chain":
-        return min(depth, num_tokens)
-    return num_tokens
+        return min(depth, num_nodes)
+    return num_nodes
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def validate_tree_args(
+    mode: str, depth: int, topk: int, num_nodes: int, names: dict[str, str] | None = None
+) -> None:
+    """Raise ValueError naming the first bad argument (no tensors needed).
 
-
-def validate_tree_args(mode: str, depth: int, topk: int, num_tokens: int) -> None:
-    """Raise ValueError naming the first bad argument (no tensors needed)."""
+    names: how the message names each argument (``mode``, ``depth``, ``topk``, ``num_nodes``),
+    e.g. as the speculative_config field a user set.
+    """
+    name = {"mode": "mode", "depth": "depth", "topk": "topk", "num_nodes": "num_nodes", **(names or {})}
     if mode not in TREE_MODES:
-        raise ValueError(f"mode must be one of {', '.join(TREE_MODES)}; got {mode!r}")
-    _check_positive_int("depth", depth)
-    _check_positive_int("topk", topk)
-    _check_positive_int("num_tokens", num_tokens)
-    if mode == "chain":
-        return
+        raise ValueError(f"{name['mode']} must be one of {', '.join(TREE_MODES)}; got {mode!r}")
+    for arg, value in (("depth", depth), ("topk", topk), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name[arg]} must be an integer >= 1; got {value!r}")
     pool = pool_size(depth, topk)
-    if num_tokens > pool:
+    if mode != "chain" and num_nodes > pool:
         raise ValueError(
-            f"num_tokens must be <= the tree pool topk + (depth-1)*topk^2 = {pool} "
-            f"for depth={depth}, topk={topk}; got {num_tokens}"
+            f"{name['num_nodes']} must be in [1, {pool}] (the tree pool topk + (depth-1)*topk^2 "
+            f"for depth={depth}, topk={topk}); got {num_nodes}"
         )
 
 
@@ -149,10 +149,10 @@ def build_dynamic_tree(
     *,
     depth: int,
     topk: int,
-    num_tokens: int,
+    num_nodes: int,
     mode: str = "dynamic",
 ) -> DraftTree:
-    """Grow one draft tree per request and keep its best ``num_tokens`` nodes.
+    """Grow one draft tree per request and keep its best ``num_nodes`` nodes.
 
     Sync-free and fixed-shape (no host reads of tensor data, every shape follows from the
     arguments), so a whole call can be captured in a CUDA graph with its ``draft_step``.
@@ -164,24 +164,24 @@ def build_dynamic_tree(
             root's children (log-probs work too: the log-softmax is idempotent). NaN and
             +inf count as -inf.
         draft_step: see :data:`DraftStep`; called ``depth - 1`` times (fewer in
-            ``chain`` mode when ``num_tokens < depth``).
+            ``chain`` mode when ``num_nodes < depth``).
         depth: number of draft levels (>= 1).
         topk: children per expanded node and frontier width (>= 1, <= V).
-        num_tokens: nodes kept per request (the paper's m), <= ``pool_size(depth, topk)``.
+        num_nodes: nodes kept per request (the paper's m), <= ``pool_size(depth, topk)``.
         mode: one of :data:`TREE_MODES`:
             ``dynamic``   EAGLE-2: expand and rerank by path value;
             ``static``    EAGLE-1's context-independent shape of the same size (same
                           expansion run on fixed rank priors instead of confidences);
-            ``chain``     the top-1 path, ``min(depth, num_tokens)`` nodes;
+            ``chain``     the top-1 path, ``min(depth, num_nodes)`` nodes;
             ``no_value``  rank by the node's own confidence instead of the path value
                           (capped by its parent's key so the kept set stays a tree);
             ``no_rerank`` keep the nodes chosen as frontiers during expansion, in level
                           order, instead of the global best of the pool.
 
     Returns:
-        :class:`DraftTree` with N = ``tree_size(mode, depth, topk, num_tokens)`` nodes.
+        :class:`DraftTree` with N = ``tree_size(mode, depth, topk, num_nodes)`` nodes.
     """
-    depth, topk, num_tokens = _checked_shape(root_logits, mode, depth, topk, num_tokens)
+    depth, topk, num_nodes = _checked_shape(root_logits, mode, depth, topk, num_nodes)
     batch, vocab = root_logits.shape
     device = root_logits.device
     k, kk = topk, topk * topk
@@ -234,7 +234,7 @@ def build_dynamic_tree(
 
     pool_key = _cat(level_keys) if separate_keys else None
     return _keep_best(
-        mode, _cat(level_tokens), _cat(level_values), pool_key, chosen_per_level, k, depth, num_tokens
+        mode, _cat(level_tokens), _cat(level_values), pool_key, chosen_per_level, k, depth, num_nodes
     )
 
 
@@ -246,16 +246,16 @@ def _keep_best(
     chosen_per_level: list[torch.Tensor],
     k: int,
     depth: int,
-    num_tokens: int,
+    num_nodes: int,
 ) -> DraftTree:
-    """The best ``num_tokens`` nodes of the pool ([B, pool] tokens, path values and rerank keys,
+    """The best ``num_nodes`` nodes of the pool ([B, pool] tokens, path values and rerank keys,
     None: the values) as a :class:`DraftTree`; ``chosen_per_level``: the frontier slots."""
     batch, kk = pool_tokens.shape[0], k * k
     frontier_flag = None
     if mode == "no_rerank":
         frontier_flag = _frontier_flags(chosen_per_level, batch, k, depth, pool_tokens.device)
     key = pool_value if pool_key is None else pool_key
-    kept = _rerank(mode, key, frontier_flag, num_tokens)  # [B, N] pool indices, best first
+    kept = _rerank(mode, key, frontier_flag, num_nodes)  # [B, N] pool indices, best first
     return DraftTree(
         tokens=pool_tokens.gather(1, kept),
         parents=_kept_parents(kept, chosen_per_level[: depth - 2], k, pool_value.shape[1]),
@@ -269,21 +269,21 @@ def _keep_best(
 
 
 def _checked_shape(
-    root_logits: torch.Tensor, mode: str, depth: int, topk: int, num_tokens: int
+    root_logits: torch.Tensor, mode: str, depth: int, topk: int, num_nodes: int
 ) -> tuple[int, int, int]:
-    """The arguments checked; returns (depth, topk, num_tokens) as the mode grows them (a chain
-    is ``min(depth, num_tokens)`` nodes of width 1)."""
-    validate_tree_args(mode, depth, topk, num_tokens)
+    """The arguments checked; returns (depth, topk, num_nodes) as the mode grows them (a chain
+    is ``min(depth, num_nodes)`` nodes of width 1)."""
+    validate_tree_args(mode, depth, topk, num_nodes)
     if root_logits.dim() != 2 or not root_logits.is_floating_point():
         raise ValueError(
             f"root_logits must be a float tensor [B, V]; got {tuple(root_logits.shape)} {root_logits.dtype}"
         )
     if mode == "chain":
-        depth = min(depth, num_tokens)
+        depth = min(depth, num_nodes)
         return depth, 1, depth
     if topk > root_logits.shape[1]:
         raise ValueError(f"topk must be <= the vocabulary size {root_logits.shape[1]}; got {topk}")
-    return depth, topk, num_tokens
+    return depth, topk, num_nodes
 
 
 def _static_rank_logp(k: int, device: torch.device) -> torch.Tensor:
@@ -308,7 +308,7 @@ def _kept_parents(
     of pool node p is ``frontier1[p // k]`` (p // k = 0 for level 1, else
     1 + (L-2)*k + slot // k for child slot of level L).
     """
-    batch, num_tokens = kept.shape
+    batch, num_nodes = kept.shape
     device = kept.device
     kk = k * k
     frontier1 = torch.arange(k + 1, device=device).expand(batch, k + 1)  # root, level 1
@@ -320,7 +320,7 @@ def _kept_parents(
     parent1 = frontier1.gather(1, kept.div(k, rounding_mode="floor"))
     # position1[b, p + 1] = position of pool node p in kept, or -1 (root and dropped nodes).
     position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=device)
-    position1.scatter_(1, kept + 1, torch.arange(num_tokens, device=device).expand(batch, num_tokens))
+    position1.scatter_(1, kept + 1, torch.arange(num_nodes, device=device).expand(batch, num_nodes))
     return position1.gather(1, parent1)
 
 
@@ -341,9 +341,9 @@ def _frontier_flags(
 
 
 def _rerank(
-    mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor | None, num_tokens: int
+    mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor | None, num_nodes: int
 ) -> torch.Tensor:
-    """Pool indices [B, num_tokens] of the kept nodes, best key first.
+    """Pool indices [B, num_nodes] of the kept nodes, best key first.
 
     A child's key never exceeds its parent's and ties go to the lower pool index, which the
     parent always has: the order is parents-first and each prefix is ancestor-closed.
@@ -355,4 +355,4 @@ def _rerank(
         key = torch.where(frontier_flag, 2.0 * pool - order, pool_key.double())
     else:
         key = pool_key
-    return _stable_topk(key, num_tokens)
+    return _stable_topk(key, num_nodes)

@@ -12,7 +12,7 @@ Pieces, per batch size B:
 * ``tree build``: :func:`vllm_eagle2.tree.build_dynamic_tree` with precomputed draft logits
   (the head's passes are not timed), eager and replayed from a CUDA graph;
 * ``masks``: :func:`vllm_eagle2.kernels.build_tree_masks` of the kept tree;
-* ``verify greedy`` / ``verify T=1``: :func:`vllm_eagle2.verify.verify_tree` over target
+* ``verify greedy`` / ``verify T=1``: :func:`vllm_eagle2.verify.verifier.verify_tree` over target
   logits ``[B, m + 1, V]``, eager and from a CUDA graph;
 * ``tree attention``: :func:`vllm_eagle2.kernels.paged_tree_attention` (one layer) of q tree
   queries per request over C context tokens in a paged cache, beside torch SDPA over the same
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_eagle2.budget import allocate_nodes
+from vllm_eagle2.budget.decisions import allocate_nodes
 from vllm_eagle2.kernels import build_tree_masks, paged_tree_attention, vocab_topk
 from vllm_eagle2.tree import build_dynamic_tree
-from vllm_eagle2.verify import verify_tree
+from vllm_eagle2.verify.verifier import verify_tree
 
 __all__ = ["Shapes", "Timing", "bench_attention", "bench_tree_core", "run_checks"]
 
@@ -49,7 +49,7 @@ class Shapes:
     vocab: int = 128_256
     depth: int = 6
     topk: int = 10
-    num_tokens: int = 60
+    num_nodes: int = 60
     heads: int = 32
     kv_heads: int = 8
     head_size: int = 128
@@ -132,7 +132,7 @@ class _TreeCase:
         # Draft logits with a few confident tokens, as a trained head's are.
         self.root = (3 * randn(batch, s.vocab)).to(s.dtype)
         self.levels = (3 * randn(s.depth - 1, batch, s.topk, s.vocab)).to(s.dtype)
-        self.target = (3 * randn(batch, s.num_tokens + 1, s.vocab)).to(s.dtype)
+        self.target = (3 * randn(batch, s.num_nodes + 1, s.vocab)).to(s.dtype)
         self.temperature = torch.ones(batch, device=device)
 
     def build(self):
@@ -142,7 +142,7 @@ class _TreeCase:
             lambda tokens, prev_slots, level: levels[level - 2],
             depth=self.shapes.depth,
             topk=self.shapes.topk,
-            num_tokens=self.shapes.num_tokens,
+            num_nodes=self.shapes.num_nodes,
         )
 
     def verify(self, tree, *, sampled: bool):
@@ -189,7 +189,7 @@ def bench_tree_core(
                 lambda tokens, prev_slots, level: levels_lp[level - 2],
                 depth=shapes.depth,
                 topk=shapes.topk,
-                num_tokens=shapes.num_tokens,
+                num_nodes=shapes.num_nodes,
             )
 
         old_verify = baseline.verify.verify_tree
@@ -298,10 +298,10 @@ def bench_attention(
 
 
 def _allocation_case(shapes: Shapes, batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Arguments of :func:`allocate_nodes` for ``batch`` random trees of ``shapes.num_tokens`` nodes:
+    """Arguments of :func:`allocate_nodes` for ``batch`` random trees of ``shapes.num_nodes`` nodes:
     path values best first per row, depths 1..depth, one request without drafts, a linear step cost."""
     gen = torch.Generator(device="cpu").manual_seed(1)
-    n = shapes.num_tokens
+    n = shapes.num_nodes
     values = (-3 * torch.rand(batch, n, generator=gen)).sort(dim=1, descending=True).values
     depths = torch.randint(1, shapes.depth + 1, (batch, n), generator=gen).sort(dim=1).values
     allowed = torch.ones(batch, dtype=torch.bool)
@@ -344,7 +344,7 @@ def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
         lambda tokens, prev_slots, level: case.levels[level - 2].cpu(),
         depth=shapes.depth,
         topk=shapes.topk,
-        num_tokens=shapes.num_tokens,
+        num_nodes=shapes.num_nodes,
     )
     check(
         "tree on device equals tree on CPU",
@@ -370,7 +370,7 @@ def run_checks(shapes: Shapes, device: torch.device) -> dict[str, str]:
         torch.equal(kept.cpu(), allocate_nodes(*(x.cpu() for x in alloc))),
     )
 
-    for queries in (8, shapes.num_tokens):
+    for queries in (8, shapes.num_nodes):
         att = _AttentionCase(shapes, 3, 300, queries, device)
         got = att.tree(backend="triton", plan_cache={}).float()
         want = att.tree(backend="torch").float()

@@ -81,9 +81,9 @@ def install_timers() -> Timers:
     """Wrap the runner's and eagle2's hot functions (after the plugin patched vLLM)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    import vllm_eagle2.expansion as expansion
-    import vllm_eagle2.proposer as proposer
-    import vllm_eagle2.runner as tree_runner
+    import vllm_eagle2.engine.expansion as expansion
+    import vllm_eagle2.engine.proposer as proposer
+    import vllm_eagle2.engine.verification as tree_runner
     from vllm_eagle2 import patches
 
     patches.apply()
@@ -232,7 +232,7 @@ def profile(args: argparse.Namespace) -> str:
     env = None
     if args.never:
         # the adaptive budget under costs where no draft pays: what a step without drafts costs
-        from vllm_eagle2.costs import COSTS_ENV
+        from vllm_eagle2.budget.costs import COSTS_ENV
 
         spec["budget"], label, env = "adaptive", "eagle2 never drafting", {COSTS_ENV: NEVER_COSTS}
     elif args.adaptive:

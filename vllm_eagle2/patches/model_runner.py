@@ -1,6 +1,6 @@
 """The eagle2 step inside vLLM's model runner (vLLM 0.32 ``v1/worker/gpu_model_runner.py``; the
-CPU runner subclasses it). Each hook hands over to :mod:`vllm_eagle2.proposer` (drafting) or
-:mod:`vllm_eagle2.runner` (verification) and does nothing for engines without eagle2."""
+CPU runner subclasses it). Each hook hands over to :mod:`vllm_eagle2.engine.proposer` (drafting) or
+:mod:`vllm_eagle2.engine.verification` (verification) and does nothing for engines without eagle2."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DRAFTS_ATTR = "eagle2_draft_token_ids"
 
 
 def _is_eagle2(runner: Any) -> bool:
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     return isinstance(getattr(runner, "drafter", None), Eagle2Proposer)
 
@@ -25,15 +25,14 @@ def patch_runner_setup() -> None:
     auxiliary hidden states); ``_update_states``: finished requests leave the drafter."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     init = GPUModelRunner.__init__
 
     def __init__(self, vllm_config, device, *args, **kwargs):
         init(self, vllm_config, device, *args, **kwargs)
         spec = self.speculative_config
-        self._eagle2_step = None
-        self._eagle2_hidden_states = None
+        self._eagle2_step = None  # an Eagle2Step from execute_model to the end of sample_tokens
         eagle2 = spec is not None and spec.method == "eagle2"
         # Read when this engine's CPU attention picks its KV layout; reset for every runner, so
         # that an engine without eagle2 started later in the process keeps vLLM's layout.
@@ -60,18 +59,19 @@ def patch_runner_forward() -> None:
     step before vLLM prepares the drafter's inputs."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_eagle2 import attention
-    from vllm_eagle2 import runner as tree_runner
+    from vllm_eagle2.engine import attention, verification
+    from vllm_eagle2.engine.step import Eagle2Step
 
     execute_model = GPUModelRunner.execute_model
 
     def _execute_model(self, *args, **kwargs):
         if not _is_eagle2(self):
             return execute_model(self, *args, **kwargs)
-        # _prepare_inputs publishes the batch (prepare_tree_verification), the target's attention
-        # layers read it, and it is gone when the forward returns. What sampling needs (the kept
-        # K/V) rides on runner._eagle2_step.
-        with attention.tree_batch():
+        # The step opens here (engine/step.py). _prepare_inputs publishes the tree batch into the
+        # forward's scope, the target's attention layers read it, and it is gone when the forward
+        # returns; what sampling needs (the kept K/V) stays on the step.
+        step = self._eagle2_step = Eagle2Step()
+        with attention.tree_batch() as step.forward:
             return execute_model(self, *args, **kwargs)
 
     prepare_inputs = GPUModelRunner._prepare_inputs
@@ -94,7 +94,7 @@ def patch_runner_forward() -> None:
                 out = prepare_inputs(self, scheduler_output, *args, **kwargs)
             finally:
                 self.speculative_config = spec
-        tree_runner.prepare_tree_verification(self, out[1])
+        verification.prepare_tree_verification(self, self._eagle2_step, out[1])
         return out
 
     propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
@@ -117,7 +117,7 @@ def patch_runner_sampling() -> None:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_eagle2 import runner as tree_runner
+    from vllm_eagle2.engine import verification
 
     sample = GPUModelRunner._sample
 
@@ -125,8 +125,9 @@ def patch_runner_sampling() -> None:
         fix = _is_eagle2(self) or cpu_build.fix_every_engine()
         saved = [(gen, gen.get_state()) for gen in cpu_build.discarded_cpu_generators(self)] if fix else []
         try:
-            if spec_decode_metadata is not None and getattr(self, "_eagle2_step", None) is not None:
-                return tree_runner.sample_with_trees(self, logits, spec_decode_metadata)
+            step = getattr(self, "_eagle2_step", None)
+            if spec_decode_metadata is not None and step is not None and step.verify is not None:
+                return verification.sample_with_trees(self, step, logits, spec_decode_metadata)
             return sample(self, logits, spec_decode_metadata)
         finally:
             # A discarded (partial-prefill) sample must not advance the request's generator.
@@ -148,17 +149,19 @@ def patch_runner_sampling() -> None:
     sample_tokens = GPUModelRunner.sample_tokens
 
     def _sample_tokens(self, *args, **kwargs):
-        execute_state = getattr(self, "execute_model_state", None)
-        # What the drafter's catch-up pass reads per token: the last hidden state, and an EAGLE-3
-        # head's auxiliary ones. Tree verification reorders their rows like the accepted tokens.
-        hidden = getattr(execute_state, "hidden_states", None)
-        rows = [hidden, *(getattr(execute_state, "aux_hidden_states", None) or [])]
-        self._eagle2_hidden_states = [h for h in rows if h is not None] if _is_eagle2(self) else None
+        if not _is_eagle2(self):
+            return sample_tokens(self, *args, **kwargs)
+        step = self._eagle2_step
+        if step is not None:
+            execute_state = getattr(self, "execute_model_state", None)
+            hidden = getattr(execute_state, "hidden_states", None)
+            rows = [hidden, *(getattr(execute_state, "aux_hidden_states", None) or [])]
+            step.hidden_states = [h for h in rows if h is not None]
         try:
             out = sample_tokens(self, *args, **kwargs)
         finally:
-            self._eagle2_hidden_states = None
-        if _is_eagle2(self) and not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
+            self._eagle2_step = None  # the step ends with its drafts
+        if not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
             out = copy.copy(out)  # never tag a shared instance (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
             setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
         return out

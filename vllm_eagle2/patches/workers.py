@@ -10,7 +10,7 @@ from .record import set_attr
 
 def _drafter(worker: Any) -> Any:
     """The worker's eagle2 drafter; None in an engine without eagle2."""
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
     drafter = getattr(worker.model_runner, "drafter", None)
     return drafter if isinstance(drafter, Eagle2Proposer) else None
@@ -27,7 +27,7 @@ def budget_summary(worker: Any) -> dict[str, Any] | None:
 
 def verify_stats(worker: Any) -> dict[str, int] | None:
     """What the tree verification exercised, for ``LLM.collective_rpc("eagle2_stats")``:
-    :class:`vllm_eagle2.runner.VerifyCounters`. None when the engine does not run eagle2."""
+    :class:`vllm_eagle2.engine.verification.VerifyCounters`. None when the engine does not run eagle2."""
     drafter = _drafter(worker)
     return None if drafter is None else drafter.counters.summary()
 
@@ -39,7 +39,7 @@ def patch_workers() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_eagle2 import startup
+    from vllm_eagle2.engine import startup
 
     classes = [Worker]
     if current_platform.is_cpu():

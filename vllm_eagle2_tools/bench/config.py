@@ -18,9 +18,22 @@ from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 TREE_MODES = ("chain", "static", "dynamic", "no_value", "no_rerank")
 #: Rows with the EAGLE-3 head (``--eagle3-head``): vLLM's eagle3 chain, and eagle2's dynamic trees.
 EAGLE3_MODES = ("eagle3", "eagle3_trees")
+#: vLLM's drafters that need no head: prompt lookup (``ngram``, once per ``--eagle-k``) and Arctic's
+#: suffix decoding (``suffix``, where the ``arctic-inference`` package installs).
+LOOKUP_MODES = ("ngram", "suffix")
 DEFAULT_MODES = ("nospec", "eagle", "defaults", "never", *TREE_MODES)
-ALL_MODES = ("nospec", "nospec_sync", "nospec_vec", "eagle", *EAGLE3_MODES, "defaults", "never", *TREE_MODES)
-#: ``never``: step costs (``vllm_eagle2.costs.COSTS_ENV``) under which no draft ever pays.
+ALL_MODES = (
+    "nospec",
+    "nospec_sync",
+    "nospec_vec",
+    "eagle",
+    *EAGLE3_MODES,
+    *LOOKUP_MODES,
+    "defaults",
+    "never",
+    *TREE_MODES,
+)
+#: ``never``: step costs (``vllm_eagle2.budget.costs.COSTS_ENV``) under which no draft ever pays.
 NEVER_COSTS = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
 BUDGETS = ("adaptive", "fixed")
 AUTO = "auto"  # vllm_eagle2.config.AUTO, the draft_vocab_size default
@@ -78,6 +91,12 @@ class Target:
     eagle3_head: Path | None = None
 
 
+def _prompt_source(args: argparse.Namespace) -> str:
+    """The prompts' name: the data set, or the user's file."""
+    prompts = getattr(args, "prompts", None)
+    return args.dataset if prompts is None else f"prompts from {prompts}"
+
+
 def resolve_target(args: argparse.Namespace) -> Target:
     """``--tiny``: build the seeded tiny pair (float32); else check ``--model`` / ``--head`` (bfloat16).
 
@@ -93,7 +112,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             eagle3_head = build_eagle3_head(root / "eagle3-head", model, draft_vocab_size=400, seed=args.seed)
         dtype = args.dtype or "float32"
         m, d, k = TINY_TREE
-        description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {args.dataset} prompts"
+        description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {_prompt_source(args)}"
     else:
         model = (args.model or DEFAULT_TARGET).resolve()
         head = (args.head or DEFAULT_HEAD).resolve()
@@ -104,7 +123,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             raise SystemExit(f"error: modes {', '.join(EAGLE3_MODES)} need --eagle3-head")
         dtype = args.dtype or "bfloat16"
         m, d, k = REAL_TREE
-        description = f"{model.name} + {head.name}, {args.dataset}"
+        description = f"{model.name} + {head.name}, {_prompt_source(args)}"
         if args.raw_prompts:
             description += " (raw prompts)"
     tree = (args.num_speculative_tokens or m, args.depth or d, args.topk or k)
@@ -128,7 +147,7 @@ def eagle2_run(
     if mode == "defaults":
         return Run("defaults", "eagle2 defaults", bs, {"method": "eagle2", "model": str(head)})
     if mode == "never":
-        from vllm_eagle2.costs import COSTS_ENV  # torch: not at import, so --help stays fast
+        from vllm_eagle2.budget.costs import COSTS_ENV  # torch: not at import, so --help stays fast
 
         never = {"env": {COSTS_ENV: NEVER_COSTS}}
         return Run(
@@ -176,6 +195,18 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
                 plan.append(Run("eagle", f"vLLM eagle k={kk}", bs, spec))
+        elif mode == "ngram":
+            for kk in args.eagle_k:
+                # vLLM's defaults match 5-grams only; 1-4 finds the shorter repeats chat text has.
+                spec = {
+                    "method": "ngram",
+                    "num_speculative_tokens": kk,
+                    "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 4,
+                }
+                plan.append(Run("ngram", f"vLLM ngram k={kk}", bs, spec))
+        elif mode == "suffix":
+            plan.append(Run("suffix", "vLLM suffix", bs, {"method": "suffix"}))
         elif mode == "eagle3":
             for kk in args.eagle_k:
                 spec = {"method": "eagle3", "model": str(target.eagle3_head), "num_speculative_tokens": kk}

@@ -1,9 +1,9 @@
 """Tree bookkeeping of verification: result type, shape checks, pointer jumping, siblings, accepted path.
 
-Layout as in :mod:`vllm_eagle2.verify`: a batch of B trees of N nodes (``tokens`` [B, N], ``tokens < 0``
-marks padding; ``parents`` [B, N], -1 = child of the root, else the parent's index, < own index) and the
-target's output at the root and every node, [B, N + 1, V]. Every function here has fixed shapes and no
-data-dependent host sync.
+Layout as in :mod:`vllm_eagle2.verify.verifier`: a batch of B trees of N nodes (``tokens`` [B, N],
+``tokens < 0`` marks padding; ``parents`` [B, N], -1 = child of the root, else the parent's index,
+< own index) and the target's output at the root and every node, [B, N + 1, V]. Every function
+here has fixed shapes and no data-dependent host sync.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class VerifyResult:
     output_tokens: torch.Tensor
 
 
-def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, name: str) -> None:
+def check_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, name: str) -> None:
     if tokens.dim() != 2 or parents.shape != tokens.shape:
         raise ValueError(
             f"tokens and parents must both be [B, N]; got {tuple(tokens.shape)} and {tuple(parents.shape)}"
@@ -41,29 +41,10 @@ def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tenso
         raise ValueError(f"{name} must be [B, N + 1, V] = [{batch}, {n + 1}, V]; got {tuple(target.shape)}")
 
 
-def _jump_rounds(n: int) -> int:
-    """Pointer-jumping rounds that cover a path of n nodes: ceil(log2 n)."""
-    return max(0, n - 1).bit_length()
-
-
-def _jump_pointers(parents: torch.Tensor) -> list[torch.Tensor]:
-    """Pointer-jumping tables for a batch of trees, one per round.
-
-    Entry r is [B, N + 1]: every node's ancestor 2**r hops up, with the root as an extra
-    node N that points to itself (so jumping past the root needs no masking).
-    """
-    n = parents.shape[1]
-    up = torch.nn.functional.pad(torch.where(parents < 0, n, parents), (0, 1), value=n)
-    tables = [up]
-    for _ in range(_jump_rounds(n) - 1):
-        tables.append(tables[-1].gather(1, tables[-1]))
-    return tables
-
-
-def _path_sums(tables: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+def path_sums(tables: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
     """Sum of ``values`` [B, N] over each node and all its ancestors, [B, N].
 
-    tables: from :func:`_jump_pointers`. The root adds 0; round r adds the sums held
+    tables: from :func:`ancestor_tables`. The root adds 0; round r adds the sums held
     2**r hops up, doubling the covered path, so ceil(log2 N) rounds reach the root.
     """
     n = values.shape[1]
@@ -73,7 +54,7 @@ def _path_sums(tables: list[torch.Tensor], values: torch.Tensor) -> torch.Tensor
     return total[:, :n]
 
 
-def _siblings(tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def siblings(tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate children and earlier candidate siblings.
 
     Returns candidate [B, N] bool (real nodes whose token no earlier sibling already
@@ -90,10 +71,10 @@ def _siblings(tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor
     return candidate, sibling_before & candidate.unsqueeze(1)
 
 
-def _accept(
+def accepted_path(
     tokens: torch.Tensor, tables: list[torch.Tensor], hit: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accepted path from the per-node tests (tables: :func:`_jump_pointers`).
+    """Accepted path from the per-node tests (tables: :func:`ancestor_tables`).
 
     hit: [B, N] bool, node i passes its own test at its parent's row (at most one child
     of any node). A node is accepted iff it and all its ancestors hit: every hit counts 1
@@ -105,7 +86,7 @@ def _accept(
     """
     batch, n = tokens.shape
     weight = torch.where(hit, 1, n + 1)
-    depth = _path_sums(tables, weight)
+    depth = path_sums(tables, weight)
     accepted = depth <= n
     depth = torch.where(accepted, depth, 0)
     num_accepted, leaf = depth.max(dim=1)
@@ -120,7 +101,7 @@ def _accept(
     return nodes, num_accepted, out, leaf_row
 
 
-def _finish(
+def verify_result(
     nodes: torch.Tensor, num_accepted: torch.Tensor, out: torch.Tensor, final: torch.Tensor
 ) -> VerifyResult:
     """Put the final token [B] at position num_accepted of out [B, N + 1]."""

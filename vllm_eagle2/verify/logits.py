@@ -1,9 +1,9 @@
 """Reading the target's logits for verification: argmax, log-sum-exp, and top-k / top-p probabilities.
 
-Shapes as in :mod:`vllm_eagle2.verify`: logits [B, R, V] (R = N + 1 rows, the root and every node),
+Shapes as in :mod:`vllm_eagle2.verify.verifier`: logits [B, R, V] (R = N + 1 rows, the root and every node),
 per-request settings [B].
 
-The target logits are read once (see :func:`_argmax_lse`): every row's argmax (greedy)
+The target logits are read once (see :func:`argmax_lse`): every row's argmax (greedy)
 and the log-sum-exp of the row scaled by 1 / T (sampling); sampled probabilities are then
 formed only where needed: ``exp(logit * scale - lse)`` at the gathered draft tokens, and
 a softmax of the one leaf row per request for the residual draw. On CUDA with Triton that read is
@@ -24,7 +24,7 @@ from vllm_eagle2.kernels import HAS_TRITON, vocab_topk
 
 __all__ = ["apply_top_k_top_p", "target_probs"]
 
-# CPU only: per-row log-sum-exps (_argmax_lse) are computed in chunks of about this many elements,
+# CPU only: per-row log-sum-exps (argmax_lse) are computed in chunks of about this many elements,
 # because full-size float32 temporaries are fresh (page-faulting) allocations every call
 # and cost more than the arithmetic; chunks of a few MiB are recycled by the allocator.
 _CPU_CHUNK_ELEMS = 1 << 20
@@ -59,12 +59,12 @@ def _argmax_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _use_vocab_kernel(logits: torch.Tensor) -> bool:
-    """Whether :func:`_argmax_lse` reads ``logits`` with the fused Triton kernel (CUDA and
+    """Whether :func:`argmax_lse` reads ``logits`` with the fused Triton kernel (CUDA and
     Triton; tests patch this to run the kernel under the Triton interpreter)."""
     return logits.is_cuda and HAS_TRITON
 
 
-def _argmax_lse(logits: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def argmax_lse(logits: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's argmax and the log-sum-exp of the scaled row, in one read of the logits.
 
     logits: [B, R, V]; scale: [B] float32 (> 0), the per-request multiplier 1 / T, or
@@ -108,7 +108,7 @@ def _argmax_lse(logits: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch
     return best, lse[0] if len(lse) == 1 else torch.cat(lse, 1)
 
 
-def _filtered_node_probs(
+def filtered_node_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor | None,
@@ -163,6 +163,9 @@ def apply_top_k_top_p(
     top_k: [B] int64 (>= vocabulary size or <= 0 = off); top_p: [B] float (1 = off).
     Same rule as vLLM's sampler: top-k keeps ties at the threshold, top-p drops the
     lowest tokens whose cumulative probability stays <= 1 - p, and always keeps one.
+    Not vLLM's function itself: verification runs where vLLM is not installed (the GPU checks,
+    head training) and over [B, R, V] with per-request settings; ``tests/test_verify.py``
+    checks it against vLLM's.
     """
     if top_k is None and top_p is None:
         return logits

@@ -2,7 +2,7 @@
 
 A frontier node at level L sits at position ``root + L``; its draft KV is written past the
 request's end (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
-ancestors, through the tree side channel of :mod:`vllm_eagle2.attention`.
+ancestors, through the tree side channel of :mod:`vllm_eagle2.engine.attention`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_eagle2 import attention
 from vllm_eagle2.device import to_device
+from vllm_eagle2.engine import attention
 from vllm_eagle2.kernels import pack_tree_mask
 
 if TYPE_CHECKING:
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
 #: The cache slot of a write that must not happen (vLLM's cache writers skip it).
 PAD_SLOT = -1
@@ -78,8 +78,8 @@ class TreeExpander:
         storage = self.start.unsqueeze(1) + own.unsqueeze(0)  # [B, K]
         # Materialised: vLLM's CPU kernels index these flat, a stride-0 view would be misread.
         positions = (self.root_pos + level - 1).repeat_interleave(k).view(batch, k)
-        num_tokens = batch * k
-        qsl_cpu = torch.arange(0, num_tokens + 1, k, dtype=torch.int32)
+        rows = batch * k
+        qsl_cpu = torch.arange(0, rows + 1, k, dtype=torch.int32)
         qsl = to_device(qsl_cpu, device)
         seq_lens = (self.start + region_len).to(torch.int32)
         max_seq_len = self.max_seq_len + region_len
@@ -89,7 +89,7 @@ class TreeExpander:
             query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens,
             num_reqs=batch,
-            num_actual_tokens=num_tokens,
+            num_actual_tokens=rows,
             max_query_len=k,
             max_seq_len=max_seq_len,
             block_table_tensor=self.block_table,
@@ -99,7 +99,7 @@ class TreeExpander:
             is_prefilling=None,
         )
         level_batch = attention.TreeBatch(
-            rows=torch.arange(num_tokens, device=device),
+            rows=torch.arange(rows, device=device),
             query_start_loc=qsl.long(),
             block_table=self.block_table,
             context_lens=self.start,
@@ -111,10 +111,10 @@ class TreeExpander:
         # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
         # and its CUDA graphs read them.
         p = self.p
-        p.input_ids[:num_tokens] = p._token_ids(tokens).flatten()
-        p.positions[:num_tokens] = positions.flatten()
-        p.hidden_states[:num_tokens] = parent_hidden.flatten(0, 1)
+        p.input_ids[:rows] = p._token_ids(tokens).flatten()
+        p.positions[:rows] = positions.flatten()
+        p.hidden_states[:rows] = parent_hidden.flatten(0, 1)
         with attention.tree_batch(level_batch):
-            last_hidden, hidden = p._run_head(cad, num_tokens, first_pass=False)
+            last_hidden, hidden = p._run_head(cad, rows, first_pass=False)
         self.parent_hidden = hidden.view(batch, k, -1)
         return self.p._draft_logits(last_hidden).view(batch, k, -1)

@@ -10,12 +10,12 @@ vLLM copies its attention metadata before the kernels see it, so extra fields wo
 that route. Outside a ``with tree_batch(...)`` every layer is plain causal attention, so no
 batch can leak into a later forward (a draft level, the drafter's catch-up pass, a dummy run).
 
-* A draft level (:mod:`vllm_eagle2.proposer`) wraps its one head forward in
+* A draft level (:mod:`vllm_eagle2.engine.proposer`) wraps its one head forward in
   ``with tree_batch(batch):``.
 * Verification spans vLLM's ``execute_model``: its ``_prepare_inputs`` builds the batch, the
   target forward reads it. :mod:`vllm_eagle2.patches` wraps the whole ``execute_model`` in
-  ``with tree_batch():`` and :func:`vllm_eagle2.runner.prepare_tree_verification` publishes
-  into it (:func:`active_tree_forward` raises outside one).
+  ``with tree_batch() as step.forward:`` (:mod:`vllm_eagle2.engine.step`) and
+  :func:`vllm_eagle2.engine.verification.prepare_tree_verification` publishes into it.
 
 The wrapper also keeps a copy of the tree rows' fresh K/V in a verification forward
 (``TreeForward.kept_kv``), so that the KV of accepted tree nodes can be moved into place
@@ -130,17 +130,6 @@ def tree_batch(batch: TreeBatch | None = None) -> Iterator[TreeForward]:
         yield forward
     finally:
         _active = None
-
-
-def active_tree_forward() -> TreeForward:
-    """The forward of the enclosing :func:`tree_batch`.
-
-    Raises:
-        RuntimeError: called outside a ``with tree_batch(...)``.
-    """
-    if _active is None:
-        raise RuntimeError("eagle2: no tree batch is active (expected inside `with tree_batch(...)`)")
-    return _active
 
 
 def _layout_of(impl: Any) -> str:

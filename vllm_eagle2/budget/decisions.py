@@ -7,13 +7,13 @@ both maximising expected tokens per second of the next step:
 
 * before drafting, on the host, :func:`plan_draft` picks the draft's shape (depth, topk)
   and the nodes per request it pays to verify, or no drafts at all, from the batch size,
-  the :class:`~vllm_eagle2.costs.CostCurve` of the target and of one draft level, and the
+  the :class:`~vllm_eagle2.budget.costs.CostCurve` of the target and of one draft level, and the
   :class:`AcceptanceModel` (acceptance per depth and sibling rank);
 * after drafting, on the device, :func:`allocate_nodes` splits one budget across the batch
   in order of calibrated path value (EAGLE-2's own ordering, corrected per depth by the
   acceptance the engine observed): confident trees get more nodes, doubtful ones fewer.
 
-Both are pure functions of their arguments; :mod:`vllm_eagle2.adaptive` feeds them
+Both are pure functions of their arguments; :mod:`vllm_eagle2.budget.adaptive` feeds them
 measurements.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_eagle2.costs import Cost
+from vllm_eagle2.budget.costs import Cost
 from vllm_eagle2.tree import pool_size
 
 __all__ = [
@@ -92,22 +92,22 @@ class AcceptanceModel:
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """One step's draft: ``depth`` levels of ``topk``, ``num_tokens`` nodes kept per request.
+    """One step's draft: ``depth`` levels of ``topk``, ``num_nodes`` nodes kept per request.
 
-    ``num_tokens == 0``: no drafts this step (depth and topk are then 0 too).
+    ``num_nodes == 0``: no drafts this step (depth and topk are then 0 too).
     ``rate``: the tokens per second the plan expects; ``per_request``: the nodes per request
-    the plan was sized for (``num_tokens`` may be larger, to leave the allocation room).
+    the plan was sized for (``num_nodes`` may be larger, to leave the allocation room).
     """
 
     depth: int
     topk: int
-    num_tokens: int
+    num_nodes: int
     per_request: int
     rate: float
 
     @property
     def drafts(self) -> bool:
-        return self.num_tokens > 0
+        return self.num_nodes > 0
 
 
 #: The plan of a step without drafts (its ``rate`` unpriced).
@@ -126,7 +126,7 @@ def fit_level_rows(plan: DraftPlan, batch: int, max_rows: int) -> DraftPlan:
     return DraftPlan(
         depth=plan.depth,
         topk=topk,
-        num_tokens=min(plan.num_tokens, pool),
+        num_nodes=min(plan.num_nodes, pool),
         per_request=min(plan.per_request, pool),
         rate=plan.rate,
     )

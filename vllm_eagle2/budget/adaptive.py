@@ -1,7 +1,7 @@
-"""The adaptive tree budget of one engine: measurements in, :mod:`vllm_eagle2.budget` decisions out.
+"""The adaptive tree budget of one engine: measurements in, :mod:`vllm_eagle2.budget.decisions` decisions out.
 
 * **Costs.** At engine start :meth:`AdaptiveBudget.calibrate` times the target and one draft
-  level (:mod:`vllm_eagle2.costs`); while serving, every step's target pass, each draft level
+  level (:mod:`vllm_eagle2.budget.costs`); while serving, every step's target pass, each draft level
   and the rest of the step are timed and refine the curves. A step that verifies drafts
   is priced apart from one that does not (its own target curve, ``verify``, and its own
   overhead): verification, the tree bookkeeping and the allocation cost more than a plain
@@ -13,7 +13,7 @@
   the host with the drafter's own transfer, never with a sync of its own.
 * **Decisions.** :meth:`plan` (host, before drafting) and :meth:`allocate` (device, after).
 
-``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.costs.COSTS_ENV`) replaces the measured costs by
+``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.budget.costs.COSTS_ENV`) replaces the measured costs by
 fixed linear ones, for tests and what-if runs.
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_eagle2.budget import (
+from vllm_eagle2.budget.costs import Clock, CostCurve, ScaledCurve, calibrate_curves, fixed_costs, set_linear
+from vllm_eagle2.budget.decisions import (
     NO_DRAFTS,
     AcceptanceModel,
     DraftPlan,
@@ -38,7 +39,6 @@ from vllm_eagle2.budget import (
     plan_draft,
     step_cost,
 )
-from vllm_eagle2.costs import Clock, CostCurve, ScaledCurve, calibrate_curves, fixed_costs, set_linear
 from vllm_eagle2.device import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -393,7 +393,7 @@ class AdaptiveBudget:
             logger.info("eagle2 adaptive budget: %s", json.dumps(self.summary()))
 
     def summary(self) -> dict[str, Any]:
-        """Counters since start (:func:`vllm_eagle2.budget_summary.summarize`)."""
-        from vllm_eagle2.budget_summary import summarize
+        """Counters since start (:func:`vllm_eagle2.budget.summary.summarize`)."""
+        from vllm_eagle2.budget.summary import summarize
 
         return summarize(self)

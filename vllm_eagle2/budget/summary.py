@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_eagle2.adaptive import AdaptiveBudget
+    from vllm_eagle2.budget.adaptive import AdaptiveBudget
 
 
 def summarize(budget: AdaptiveBudget) -> dict[str, Any]:

@@ -1,13 +1,14 @@
-"""Tree verification inside vLLM's V1 model runner (called from :mod:`vllm_eagle2.patches`).
+"""Tree verification inside vLLM's V1 model runner (called from :mod:`vllm_eagle2.patches`; where
+it sits in a step: :mod:`vllm_eagle2.engine.step`).
 
 Per step, for the requests that carry drafts:
 
 * :func:`prepare_tree_verification` (after ``_prepare_inputs``): recover each request's
-  tree from the drafter's :class:`~vllm_eagle2.proposer.TreeStore` (drafts without a
+  tree from the drafter's :class:`~vllm_eagle2.engine.proposer.ProposedTrees` (drafts without a
   matching tree, e.g. scheduler padding, are verified as a chain), give every node the
   RoPE position ``root + depth`` (its KV slot stays ``root + 1 + index``), and publish
-  the per-request ancestor masks for the target forward into the ``tree_batch`` scope that
-  :mod:`vllm_eagle2.patches` opens around vLLM's ``execute_model``.
+  the per-request ancestor masks for the target forward into the step's ``tree_batch`` scope
+  (``step.forward``), open around vLLM's ``execute_model``.
 * :func:`sample_with_trees` (instead of the rejection sampler): verify every tree
   (greedy or sampled, per request), move the accepted nodes' target KV to the slots
   right after the root, and reorder the rows of hidden states, input ids and positions
@@ -24,10 +25,11 @@ import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
-from vllm_eagle2 import attention
 from vllm_eagle2.device import cuda_path, to_device
+from vllm_eagle2.engine import attention
+from vllm_eagle2.engine.step import Eagle2Step
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
-from vllm_eagle2.verify import verify_tree
+from vllm_eagle2.verify.verifier import verify_tree
 
 
 @dataclass
@@ -36,9 +38,8 @@ class VerifyStep:
 
     tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
     num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
-    depths: [B, N] int64 (0 past the drafts); trees: the drafter's record of them.
-    kept_kv: the target layers' K/V of the verification forward (its ``TreeForward.kept_kv``):
-        vLLM samples in a later call, after the forward's ``tree_batch`` scope has closed.
+    depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
+        0 past the drafts); trees: the drafter's record of them.
     kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
         on its tree's leading chain, whose K/V is already where an accepted path needs it).
     """
@@ -48,8 +49,7 @@ class VerifyStep:
     num_drafts: torch.Tensor
     row_start: torch.Tensor
     depths: torch.Tensor
-    trees: StoredTrees
-    kept_kv: attention.KeptKV
+    trees: MatchedTrees
     kept_row: torch.Tensor | None = None
 
     @property
@@ -98,7 +98,7 @@ def _verify_width(runner: Any, counts: list[int]) -> int:
 
 
 @dataclass
-class StoredTrees:
+class MatchedTrees:
     """The drafter's trees matched to this step's drafts, B = requests, N = draft width.
 
     parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
@@ -116,19 +116,19 @@ class StoredTrees:
     off_chain: np.ndarray
 
 
-def _stored_trees(
+def _matched_trees(
     drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor, counts: np.ndarray
-) -> StoredTrees:
+) -> MatchedTrees:
     """Each request's drafts as its stored tree, else as a chain. counts: [B] drafts scheduled."""
     batch, width = tokens.shape
     device = tokens.device
     col = torch.arange(width, device=device)
     chain = (col - 1).expand(batch, width)
-    store = getattr(drafter, "trees", None)
+    store = getattr(drafter, "proposed", None)
     off_chain = np.zeros((batch, width), dtype=bool)
     if store is None or not req_ids:
         zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
-        return StoredTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float(), off_chain)
+        return MatchedTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float(), off_chain)
     if store.req_ids == req_ids:  # the usual case: the batch kept its order
         src_host = np.arange(batch)
     else:
@@ -151,7 +151,7 @@ def _stored_trees(
     same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= store.tokens.shape[1])
     known = same.unsqueeze(1) & valid
     parents = torch.where(known, stored(store.parents, -1), chain)
-    return StoredTrees(
+    return MatchedTrees(
         parents=torch.where(valid, parents, -1),
         known=known,
         ranks=stored(store.ranks, 0),
@@ -160,19 +160,23 @@ def _stored_trees(
     )
 
 
-def prepare_tree_verification(runner: Any, meta: Any) -> None:
-    """Positions and attention masks for the trees of this step (after ``_prepare_inputs``).
+def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
+    """Positions and attention masks for the trees of this step (after ``_prepare_inputs``);
+    sets ``step.verify`` (None without drafts).
 
-    Runs inside ``execute_model``'s ``tree_batch`` scope and publishes the masks there. Reads
+    Runs inside ``execute_model``'s ``tree_batch`` scope (``step.forward``) and publishes the
+    masks there. Reads
     nothing back from the device: which drafts need a tree mask is known on the host
-    (:attr:`StoredTrees.off_chain`). A step whose trees are all chains needs no masks, no new
+    (:attr:`MatchedTrees.off_chain`). A step whose trees are all chains needs no masks, no new
     positions and no KV moves: vLLM's causal attention verifies it as it is.
 
     Raises:
         RuntimeError: no ``tree_batch`` scope is active.
     """
-    runner._eagle2_step = None
-    forward = attention.active_tree_forward()
+    forward = step.forward if step is not None else None
+    if forward is None:
+        raise RuntimeError("eagle2: no tree batch is active (expected inside execute_model's step)")
+    step.verify = None
     if meta is None or max(meta.num_draft_tokens, default=0) == 0:
         return
     runner.drafter.counters.drafts += sum(meta.num_draft_tokens)
@@ -180,21 +184,18 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
     batch = len(meta.num_draft_tokens)
     counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
     tokens, valid, n = _padded_drafts(meta, device, _verify_width(runner, meta.num_draft_tokens))
-    trees = _stored_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
+    trees = _matched_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
     width = tokens.shape[1]
     row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
     row_start = to_device(row_start_host, device)
-    step = VerifyStep(
+    verify = step.verify = VerifyStep(
         tokens=tokens,
         parents=trees.parents,
         num_drafts=n,
         row_start=row_start,
-        # Region depths (the root's is 1): node i of a chain is i + 2 deep.
-        depths=torch.where(valid, torch.arange(width, device=device) + 2, 0),
+        depths=torch.where(valid, torch.arange(width, device=device) + 1, 0),  # node i of a chain
         trees=trees,
-        kept_kv={},
     )
-    runner._eagle2_step = step
     spec = np.flatnonzero(trees.off_chain.any(axis=1))  # the requests whose trees branch
     if spec.size == 0:
         return
@@ -246,20 +247,18 @@ def prepare_tree_verification(runner: Any, meta: Any) -> None:
             keep_kv=True,
         )
     )
-    step.depths = masks.depths[:, 1:]
-    step.kept_kv = forward.kept_kv
-    step.kept_row = to_device(kept_row, device)
+    verify.depths = (masks.depths[:, 1:] - 1).clamp(min=0)  # mask depths count the root as 1
+    verify.kept_row = to_device(kept_row, device)
     runner.drafter.counters.count_tree_rows(spec.size, rows.size)
 
 
-def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOutput:
-    """Verify this step's trees; returns vLLM's SamplerOutput ([B, N + 1] int32, -1 padded)."""
-    step: VerifyStep = runner._eagle2_step
-    runner._eagle2_step = None
+def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta: Any) -> SamplerOutput:
+    """Verify ``step.verify``'s trees; returns vLLM's SamplerOutput ([B, N + 1] int32, -1 padded)."""
+    verify = step.verify
     sampling = runner.input_batch.sampling_metadata
     device = logits.device
-    batch, width = step.tokens.shape
-    n = step.num_drafts
+    batch, width = verify.tokens.shape
+    n = verify.num_drafts
     # Logits rows of request r: [root, node 0, ..., node n_r - 1], ending at cu_num_sampled[r].
     first_row = meta.cu_num_sampled_tokens.to(device).long() - (n + 1)
     col = torch.arange(width + 1, device=device)
@@ -273,8 +272,8 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
     has_drafts = n > 0
     counts = meta.num_draft_tokens  # host list: which rows draft needs no device sync
     result = verify_tree(
-        step.tokens,
-        step.parents,
+        verify.tokens,
+        verify.parents,
         logits[row_idx],  # [B, N + 1, V]; rows without drafts repeat their root
         temperature=None if sampling.all_greedy else sampling.temperature,
         top_k=sampling.top_k,
@@ -301,19 +300,19 @@ def sample_with_trees(runner: Any, logits: torch.Tensor, meta: Any) -> SamplerOu
             token_ids=out_tokens.flatten().clamp(min=0),
         )
         logprobs = LogprobsTensors(*logprobs[:3])
-    if step.branched:
+    if verify.branched:
         _move_accepted_path(runner, step, accepted, num_accepted)
     budget = getattr(runner.drafter, "budget", None)
     if budget is not None:
-        tree = step.trees
-        # step.depths count the root as depth 1 (region depths); the table counts from its children.
-        depths = (step.depths - 1).clamp(min=0)
-        budget.record_verification(step.parents, depths, tree.ranks, tree.scores, tree.known, accepted)
+        trees = verify.trees
+        budget.record_verification(
+            verify.parents, verify.depths, trees.ranks, trees.scores, trees.known, accepted
+        )
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
 
 
 def _move_accepted_path(
-    runner: Any, step: VerifyStep, accepted: torch.Tensor, num_accepted: torch.Tensor
+    runner: Any, step: Eagle2Step, accepted: torch.Tensor, num_accepted: torch.Tensor
 ) -> None:
     """Make rows (and KV slots) root + 1 .. root + k hold the accepted path, in order."""
     if accepted.numel() == 0:
@@ -322,11 +321,12 @@ def _move_accepted_path(
     on_path = k.unsqueeze(0) < num_accepted.unsqueeze(1)
     # Off the path the pair is the root onto itself: a no-op that no other pair writes to (entries
     # past a request's drafts would alias the next request's rows).
-    root = step.row_start.unsqueeze(1)
+    verify = step.verify
+    root = verify.row_start.unsqueeze(1)
     dst = torch.where(on_path, root + 1 + k, root)
     src = torch.where(on_path, root + 1 + accepted, root)
     # Only an off-chain node lands away from its own row; its K/V is in the kept copies.
-    kept = step.kept_row.gather(1, accepted.clamp(min=0))
+    kept = verify.kept_row.gather(1, accepted.clamp(min=0))
     moved = on_path & (accepted != k)
     runner.drafter.counters.count_kv_moves(moved)
     slots = runner.input_batch.block_table[0].slot_mapping.gpu[dst].long()
@@ -343,9 +343,9 @@ def _move_accepted_path(
             return
     drafter = runner.drafter
     layers = runner.vllm_config.compilation_config.static_forward_context
-    attention.move_kv(step.kept_kv, drafter.target_attn_layer_names, layers, kv_src, kv_slots)
+    attention.move_kv(step.forward.kept_kv, drafter.target_attn_layer_names, layers, kv_src, kv_slots)
     # The catch-up pass of the drafter reads these rows as the accepted chain.
-    for hidden in runner._eagle2_hidden_states or ():
+    for hidden in step.hidden_states:
         hidden[dst] = hidden[src]
     runner.input_ids.gpu[dst] = runner.input_ids.gpu[src]
     runner.positions[dst] = runner.positions[src]

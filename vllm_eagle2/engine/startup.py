@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_eagle2 import attention
+from vllm_eagle2.engine import attention
 from vllm_eagle2.kernels import HAS_TRITON, vocab_topk
 from vllm_eagle2.kernels.warmup import StepLimits, warm_up_kernels
 
 if TYPE_CHECKING:
-    from vllm_eagle2.proposer import Eagle2Proposer
+    from vllm_eagle2.engine.proposer import Eagle2Proposer
 
 logger = logging.getLogger("vllm.eagle2")
 

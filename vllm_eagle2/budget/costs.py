@@ -1,7 +1,7 @@
 """What passes cost: cost curves over token counts, fixed costs for tests, timers, calibration.
 
 No vLLM here. A :class:`CostCurve` learns the seconds of one pass per token count (knots at 1, 2,
-4, ... tokens); the adaptive budget (:mod:`vllm_eagle2.adaptive`) calibrates the target's and a
+4, ... tokens); the adaptive budget (:mod:`vllm_eagle2.budget.adaptive`) calibrates the target's and a
 draft level's at engine start (:func:`calibrate_curves`) and refines them while serving, timed
 by a :class:`Clock` (CUDA events on GPUs, resolved after the step's one host sync).
 

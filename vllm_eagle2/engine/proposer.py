@@ -9,12 +9,12 @@ One step of drafting, for every request of the batch at once:
    request (``vllm_eagle2.tree.build_dynamic_tree`` chooses them). A frontier node at
    level L sits at position ``root + L``; its draft KV is written past the request's end
    (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
-   ancestors, through the tree side channel of :mod:`vllm_eagle2.attention`.
+   ancestors, through the tree side channel of :mod:`vllm_eagle2.engine.attention`.
 3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts, best
-   first; the tree is kept in :class:`TreeStore` for the verifier of the next step.
+   first; the tree is kept in :class:`ProposedTrees` for the verifier of the next step.
 
 With the adaptive budget (the default) the settings are upper bounds: before step 2 the
-:class:`~vllm_eagle2.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
+:class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
 at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
 to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
 """
@@ -30,23 +30,23 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_eagle2 import attention
-from vllm_eagle2.adaptive import AdaptiveBudget
-from vllm_eagle2.budget import DraftPlan, fit_level_rows
+from vllm_eagle2.budget.adaptive import AdaptiveBudget
+from vllm_eagle2.budget.decisions import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
-from vllm_eagle2.eligibility import drafting_blockers, supports_tree_drafting
-from vllm_eagle2.expansion import TreeExpander
+from vllm_eagle2.engine import attention
+from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
+from vllm_eagle2.engine.expansion import TreeExpander
+from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.runner import VerifyCounters
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 
 @dataclasses.dataclass
-class TreeStore:
+class ProposedTrees:
     """The trees proposed last step, for the verifier of this step.
 
     req_ids: request ids, in the batch order of the proposing step.
@@ -77,7 +77,7 @@ class Eagle2Proposer(EagleProposer):
         self.runner = runner  # vLLM's proposer does not keep it; we read the batch's request ids
         self.settings: Eagle2Settings = vllm_config.speculative_config.eagle2
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.trees: TreeStore | None = None
+        self.proposed: ProposedTrees | None = None
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
         self.draft_vocab: DraftVocab | None = None
@@ -101,7 +101,7 @@ class Eagle2Proposer(EagleProposer):
                 device=device,
             )
         self._full_plan = DraftPlan(
-            depth=s.depth, topk=s.topk, num_tokens=s.num_tokens, per_request=s.nodes_per_step, rate=0.0
+            depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
@@ -237,7 +237,7 @@ class Eagle2Proposer(EagleProposer):
         """Draft one tree per request; returns each request's draft tokens (best first).
 
         The catch-up pass runs outside any ``tree_batch`` scope (causal); each expansion level
-        opens its own (:class:`~vllm_eagle2.expansion.TreeExpander`).
+        opens its own (:class:`~vllm_eagle2.engine.expansion.TreeExpander`).
         """
         budget = self.budget
         cad = common_attn_metadata
@@ -261,7 +261,7 @@ class Eagle2Proposer(EagleProposer):
         )
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
         if catch_up_only:
-            self.trees = None
+            self.proposed = None
             if budget is not None:
                 budget.count_step(plan, [0] * batch)
             return [[] for _ in range(batch)]
@@ -275,7 +275,7 @@ class Eagle2Proposer(EagleProposer):
             expander,
             depth=plan.depth,
             topk=plan.topk,
-            num_tokens=plan.num_tokens,
+            num_nodes=plan.num_nodes,
             mode=self.settings.tree,
         )
         tokens = self._token_ids(tree.tokens)
@@ -294,7 +294,7 @@ class Eagle2Proposer(EagleProposer):
         off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
         # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.
         host = torch.cat([tokens[:, :n_out], counts.unsqueeze(1), off_chain.long()], dim=1).cpu().numpy()
-        self.trees = TreeStore(
+        self.proposed = ProposedTrees(
             req_ids=req_ids,
             tokens=tokens,
             parents=tree.parents,

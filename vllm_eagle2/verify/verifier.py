@@ -28,12 +28,12 @@ The target logits are read once: every row's argmax (greedy) and the log-sum-exp
 row scaled by 1 / T (sampling); sampled probabilities are then formed only where needed
 (at the gathered draft tokens and the one leaf row per request). On CUDA with Triton that
 read is a fused kernel that counts NaN and +inf logits as -inf (a row holding them yields
-an unspecified but valid token); details in :mod:`vllm_eagle2.verify_logits`.
+an unspecified but valid token); details in :mod:`vllm_eagle2.verify.logits`.
 
 Modules: this one holds the per-node tests (greedy hit, rejection-sampling hit, residual
-draw), the fixed-shape driver and the public functions; :mod:`vllm_eagle2.verify_paths`
+draw), the fixed-shape driver and the public functions; :mod:`vllm_eagle2.verify.paths`
 the tree bookkeeping (result type, pointer jumping, siblings, accepted path);
-:mod:`vllm_eagle2.verify_logits` the read of the target logits and the top-k / top-p
+:mod:`vllm_eagle2.verify.logits` the read of the target logits and the top-k / top-p
 probabilities. Every public name is importable from here.
 """
 
@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_eagle2.verify_logits import _argmax_lse, _filtered_node_probs, apply_top_k_top_p, target_probs
-from vllm_eagle2.verify_paths import (
+from vllm_eagle2.kernels import ancestor_tables
+from vllm_eagle2.verify.logits import apply_top_k_top_p, argmax_lse, filtered_node_probs, target_probs
+from vllm_eagle2.verify.paths import (
     VerifyResult,
-    _accept,
-    _check_tree,
-    _finish,
-    _jump_pointers,
-    _path_sums,
-    _siblings,
+    accepted_path,
+    check_tree,
+    path_sums,
+    siblings,
+    verify_result,
 )
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "apply_top_k_top_p",
     "target_probs",
     "verify_greedy",
-    "verify_sampling",
     "verify_tree",
 ]
 
@@ -110,8 +109,7 @@ def _verify(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     *,
-    logits: torch.Tensor | None = None,
-    probs: torch.Tensor | None = None,
+    logits: torch.Tensor,
     temperature: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
@@ -119,12 +117,10 @@ def _verify(
 ) -> VerifyResult:
     """Fixed-shape verification; every public function ends here.
 
-    Exactly one of:
     * ``logits`` [B, N + 1, V] and ``temperature`` None: greedy for every row;
     * ``logits`` and ``temperature`` [B]: rows with temperature <= 0 greedy, the others
       sampled from softmax(apply_top_k_top_p(logits / T)) (both computed for all rows,
-      merged per row: no split of the batch, so no sync);
-    * ``probs`` [B, N + 1, V]: sampled from these target probabilities.
+      merged per row: no split of the batch, so no sync).
 
     uniforms: [B, N + 2] for sampling: ``uniforms[:, 0]`` for the final (correction or
     bonus) token, ``uniforms[:, 1 + l]`` for tree level l (the children of depth-l
@@ -134,47 +130,38 @@ def _verify(
     rows = torch.arange(batch, device=tokens.device)
     safe_tokens = tokens.clamp(min=0)
     parent_row = parents + 1  # row of the parent's next-token distribution
-    candidate, sibling_before = _siblings(tokens, parents)
-    tables = _jump_pointers(parents)
-    sampled = probs is not None or temperature is not None
-    greedy_row = scale = lse = None
-    hit = best = None
-    if logits is not None:
-        if temperature is not None:
-            greedy_row = temperature <= 0
-            # Greedy rows also run the sampled branch (result discarded): a safe T = 1,
-            # which also keeps their argmax (scale 1) exact in the fused read.
-            temperature = torch.where(greedy_row, 1.0, temperature.float())
-            if top_k is None and top_p is None:  # else the masked probabilities serve
-                scale = temperature.reciprocal()
-        best, lse = _argmax_lse(logits, scale)  # [B, N + 1] each
-        hit = _greedy_hits(tokens, parents, candidate, best)
+    candidate, sibling_before = siblings(tokens, parents)
+    tables = ancestor_tables(parents)
+    sampled = temperature is not None
+    greedy_row = scale = None
+    if sampled:
+        greedy_row = temperature <= 0
+        # Greedy rows also run the sampled branch (result discarded): a safe T = 1,
+        # which also keeps their argmax (scale 1) exact in the fused read.
+        temperature = torch.where(greedy_row, 1.0, temperature.float())
+        if top_k is None and top_p is None:  # else the masked probabilities serve
+            scale = temperature.reciprocal()
+    best, lse = argmax_lse(logits, scale)  # [B, N + 1] each
+    hit = _greedy_hits(tokens, parents, candidate, best)
     if sampled:
         assert uniforms is not None
-        full_probs = probs
-        filtered = full_probs is None and lse is None  # top-k / top-p: no fused read
+        filtered = lse is None  # top-k / top-p: no fused read
         if filtered:
-            p_node = _filtered_node_probs(
+            p_node = filtered_node_probs(
                 logits, temperature, top_k, top_p, parent_row, safe_tokens, candidate
             )
-        elif full_probs is not None:
-            p_node = full_probs[rows.unsqueeze(1), parent_row, safe_tokens]
         else:  # softmax(logits / T) at the draft tokens only
             # (A float32 scale makes the product float32, computed as the kernel does.)
             picked = logits[rows.unsqueeze(1), parent_row, safe_tokens] * scale.unsqueeze(1)
             p_node = (picked - lse.gather(1, parent_row)).exp()
-        depths = _path_sums(tables, torch.ones_like(parents))
+        depths = path_sums(tables, torch.ones_like(parents))
         u_node = uniforms.gather(1, depths)  # column 1 + level = depth
         sampled_hit = _sampled_hits(candidate, sibling_before, p_node, u_node)
-        hit = sampled_hit if greedy_row is None else torch.where(greedy_row.unsqueeze(1), hit, sampled_hit)
-    nodes, num_accepted, out, leaf_row = _accept(tokens, tables, hit)
-    final = None
-    if best is not None:
-        final = best.gather(1, leaf_row.unsqueeze(1)).squeeze(1)
+        hit = torch.where(greedy_row.unsqueeze(1), hit, sampled_hit)
+    nodes, num_accepted, out, leaf_row = accepted_path(tokens, tables, hit)
+    final = best.gather(1, leaf_row.unsqueeze(1)).squeeze(1)
     if sampled:
-        if full_probs is not None:
-            leaf_probs = full_probs[rows, leaf_row]
-        elif filtered:
+        if filtered:
             leaf_probs = target_probs(logits[rows, leaf_row].unsqueeze(1), temperature, top_k, top_p).squeeze(
                 1
             )
@@ -183,8 +170,8 @@ def _verify(
         leaf_node = leaf_row - 1  # -1 = root
         children = candidate & (parents == leaf_node.unsqueeze(1))
         drawn = _sample_residual(leaf_probs, children, safe_tokens, uniforms[:, 0])
-        final = drawn if greedy_row is None else torch.where(greedy_row, final, drawn)
-    return _finish(nodes, num_accepted, out, final)
+        final = torch.where(greedy_row, final, drawn)
+    return verify_result(nodes, num_accepted, out, final)
 
 
 def _uniforms(
@@ -192,7 +179,6 @@ def _uniforms(
     n: int,
     device: torch.device,
     generators: dict[int, torch.Generator] | None,
-    default: torch.Generator | None,
 ) -> torch.Tensor:
     """Uniforms [B, N + 2]: column 0 for the final token, column 1 + l for tree level l.
 
@@ -202,7 +188,7 @@ def _uniforms(
     does advance by N + 2, so later steps of a seeded request reproduce when N (the
     batch's tree width) does, e.g. when the caller pads trees to a fixed width.
     """
-    u = torch.rand((batch, n + 2), device=device, generator=default)
+    u = torch.rand((batch, n + 2), device=device)
     for row, gen in (generators or {}).items():  # Python loop over the seeded rows only
         u[row] = torch.rand(n + 2, device=device, generator=gen)
     return u
@@ -222,35 +208,8 @@ def verify_greedy(
 
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
-    _check_tree(tokens, parents, target_logits, "target_logits")
+    check_tree(tokens, parents, target_logits, "target_logits")
     return _verify(tokens, parents, logits=target_logits)
-
-
-def verify_sampling(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    target_probs: torch.Tensor,
-    *,
-    generators: dict[int, torch.Generator] | None = None,
-    generator: torch.Generator | None = None,
-) -> VerifyResult:
-    """Lossless recursive rejection sampling over each request's tree.
-
-    Args:
-        tokens: [B, N] int64 drafted tokens (< 0 = padding).
-        parents: [B, N] int64, -1 = child of root, else index of the parent.
-        target_probs: [B, N + 1, V] target probabilities at the root and every node,
-            after temperature / top-k / top-p (rows sum to 1).
-        generators: optional per-row generators (row index -> generator) for seeded
-            requests, each drawing N + 2 numbers per call (see :func:`_uniforms`); other
-            rows draw from ``generator`` (or torch's global one).
-
-    Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
-    """
-    _check_tree(tokens, parents, target_probs, "target_probs")
-    batch, n = tokens.shape
-    u = _uniforms(batch, n, tokens.device, generators, generator)
-    return _verify(tokens, parents, probs=target_probs, uniforms=u)
 
 
 def verify_tree(
@@ -266,20 +225,22 @@ def verify_tree(
     """Verify a batch mixing greedy (temperature 0) and sampled requests.
 
     temperature/top_k/top_p: [B] per-request settings; ``temperature`` None or <= 0
-    (per row) = greedy. ``generators`` as in :func:`verify_sampling`.
+    (per row) = greedy. ``generators``: per-row generators (row index -> generator) for
+    seeded requests, each drawing N + 2 numbers per call (see :func:`_uniforms`); other rows
+    draw from torch's global one.
     Without top-k / top-p, target probabilities are only formed at the gathered draft
     tokens (from each row's log-sum-exp) and the leaf row; with them, the masked
     distribution is built for the rows that parent a candidate (see
-    :func:`_filtered_node_probs`) and the leaf row. Both branches run for every row when
+    :func:`filtered_node_probs`) and the leaf row. Both branches run for every row when
     ``temperature`` is given, and are merged per row: no split of the batch, no sync.
 
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
-    _check_tree(tokens, parents, target_logits, "target_logits")
+    check_tree(tokens, parents, target_logits, "target_logits")
     if temperature is None:
         return _verify(tokens, parents, logits=target_logits)
     batch, n = tokens.shape
-    u = _uniforms(batch, n, tokens.device, generators, None)
+    u = _uniforms(batch, n, tokens.device, generators)
     return _verify(
         tokens,
         parents,
