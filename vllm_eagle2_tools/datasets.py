@@ -177,3 +177,44 @@ def repeated(texts: list[str], num: int) -> list[str]:
 def load_prompts(dataset: str, model: Path | str, num: int, chat: bool = True) -> list[dict[str, list[int]]]:
     """``num`` prompts of a benchmark set as token ids (the set repeated cyclically when smaller)."""
     return token_prompts(model, repeated(benchmark_texts(dataset), num), chat)
+
+
+def file_prompts(path: Path, model: Path | str, num: int, chat: bool = True) -> list[dict[str, list[int]]]:
+    """``num`` prompts from a JSONL file of the user's own, as token ids (repeated cyclically when the file
+    has fewer).
+
+    Each line is an object with ``"prompt"`` (a text: one user turn of the chat template with
+    ``chat``, else plain text, as ``vllm bench``'s custom data sets) or ``"messages"`` (a chat, OpenAI
+    style: ``[{"role": "user", "content": "..."}, ...]``, rendered with the chat template and its
+    generation prompt). Blank lines are skipped.
+
+    Raises:
+        SystemExit: naming the file and line that is neither.
+    """
+    from transformers import AutoTokenizer
+
+    texts: list[str] = []
+    chats: list[tuple[int, list[dict[str, str]]]] = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {path}:{n}: not JSON ({exc})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            texts.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            chats.append((len(texts), row["messages"]))
+            texts.append("")  # its place; rendered below
+        else:
+            raise SystemExit(f'error: {path}:{n}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
+    if not texts:
+        raise SystemExit(f"error: {path} holds no prompts")
+    prompts = token_prompts(model, texts, chat)
+    if chats:
+        tok = AutoTokenizer.from_pretrained(str(model))
+        for i, messages in chats:
+            rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompts[i] = {"prompt_token_ids": tok(rendered, add_special_tokens=False)["input_ids"]}
+    return (prompts * (1 + num // len(prompts)))[:num]

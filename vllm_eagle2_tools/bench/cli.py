@@ -66,6 +66,7 @@ Also installed as the console command ``vllm-eagle2-bench`` (the same options). 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 import time
@@ -84,7 +85,7 @@ from vllm_eagle2_tools.bench.config import (
 )
 from vllm_eagle2_tools.bench.engines import run_all
 from vllm_eagle2_tools.bench.report import build_results, load_average, write_outputs
-from vllm_eagle2_tools.datasets import DATASETS, load_prompts
+from vllm_eagle2_tools.datasets import DATASETS, file_prompts, load_prompts
 from vllm_eagle2_tools.engine import prepare_env
 
 
@@ -97,6 +98,13 @@ def _workload_options(p: argparse._ActionsContainer) -> None:
     )
     p.add_argument("--tiny", action="store_true", help="build and use the seeded tiny pair (float32)")
     p.add_argument("--dataset", choices=DATASETS, default="mtbench")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='your own prompts instead of --dataset: a JSONL file, one {"prompt": TEXT} or '
+        '{"messages": [{"role": ..., "content": ...}, ...]} per line',
+    )
     p.add_argument(
         "--raw-prompts",
         action="store_true",
@@ -122,7 +130,8 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
-        help=f"comma list of {', '.join(ALL_MODES)} (default: all but eagle3*, nospec_sync, nospec_vec)",
+        help=f"comma list of {', '.join(ALL_MODES)} "
+        "(default: all but eagle3*, ngram, suffix, nospec_sync, nospec_vec)",
     )
     p.add_argument("--eagle3-head", type=Path, default=None, help="EAGLE-3 head folder for the eagle3 modes")
     p.add_argument("--eagle-k", type=_int_list, default=[1, 2, 3, 4, 5, 6], help="built-in eagle k list")
@@ -198,6 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown modes {bad}; choose from {list(ALL_MODES)}")
     if args.num_prompts < 1 or args.max_tokens < 1:
         p.error("--num-prompts and --max-tokens must be >= 1")
+    if "suffix" in args.modes and importlib.util.find_spec("arctic_inference") is None:
+        p.error("mode suffix needs vLLM's suffix decoding package: pip install arctic-inference")
+    if args.prompts is not None and not args.prompts.is_file():
+        p.error(f"--prompts {args.prompts}: no such file")
     if not 0.0 <= args.range_ratio < 1.0:
         p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     return args
@@ -211,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = load_average()  # other work on the machine skews the speeds
     target = resolve_target(args)
-    prompts = load_prompts(args.dataset, target.model, args.num_prompts, chat=not args.raw_prompts)
+    if args.prompts is not None:
+        prompts = file_prompts(args.prompts, target.model, args.num_prompts, chat=not args.raw_prompts)
+    else:
+        prompts = load_prompts(args.dataset, target.model, args.num_prompts, chat=not args.raw_prompts)
     batch_sizes = args.batch_sizes or [args.batch_size]
     log(
         f"{target.description}: {len(prompts)} prompts, {args.max_tokens} tokens, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -16,20 +17,36 @@ from pathlib import Path
 from typing import Any
 
 from vllm_eagle2_tools import datasets
+from vllm_eagle2_tools.bench.engines import cold_prefix_cache
 from vllm_eagle2_tools.bench.records import first_divergence
 from vllm_eagle2_tools.cpu_env import SCRATCH
-from vllm_eagle2_tools.engine import build_llm, prepare_env, shutdown_llm, spec_counters, warm_up
+from vllm_eagle2_tools.engine import (
+    build_llm,
+    own_metrics,
+    prepare_env,
+    shutdown_llm,
+    spec_counters,
+    use_metrics,
+)
 from vllm_eagle2_tools.progress import stderr_log
 from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET, WORKDIR
 
-#: (num_speculative_tokens, depth, topk) when not given: the tiny pair, and a real model on a CPU.
-#: Two cores are compute-bound even at batch 1, so every verified node costs; m=4, depth 2, topk 2
-#: drafting from the 8,192 most frequent tokens was the fastest setting measured on SmolLM2 (the
-#: README's "which tree wins"). On a GPU larger trees (the paper's 60/6/10) pay off.
-TINY_TREE = (12, 4, 3)
-REAL_TREE = (4, 2, 2)
-REAL_DRAFT_VOCAB = 8192
+#: eagle2's settings on the tiny pair: a fixed tree, so that the pipeline shows trees end to end
+#: (the tiny target costs about as much as its head, so a measured budget may draft nothing there).
+TINY_KNOBS = {"num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
+#: On a real model: eagle2's defaults (the adaptive budget), the fastest setting in the committed
+#: data on this CPU (docs/results.md, "How fast, by batch size"; fixed small trees ran slower).
+REAL_KNOBS: dict[str, Any] = {}
 TREE_CHOICES = ("dynamic", "static", "chain", "no_value", "no_rerank")
+#: The quickstart's options that map to speculative_config keys, when given.
+KNOB_OPTIONS = {
+    "num_speculative_tokens": "num_speculative_tokens",
+    "depth": "depth",
+    "topk": "topk",
+    "tree": "tree",
+    "draft_vocab": "draft_vocab_size",
+    "budget": "budget",
+}
 
 BUILTIN_PROMPTS = (
     "Write a short poem about the sea.",
@@ -52,16 +69,24 @@ log = stderr_log("quickstart")
 
 @dataclass
 class Setup:
-    """What the runs use: target, head, dtype, tree knobs, prompts and a description."""
+    """What the runs use: target, head, dtype, eagle2's settings beyond its defaults, prompts."""
 
     model: Path
     head: Path
     dtype: str
-    tree: tuple[int, int, int]
     tiny: bool
     description: str
-    draft_vocab: int = 0
+    knobs: dict[str, Any] = field(default_factory=dict)
     prompts: list[dict[str, list[int]]] = field(default_factory=list)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The speculative_config of the eagle2 engine."""
+        return {"method": "eagle2", "model": str(self.head), **self.knobs}
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.knobs.items()) or "defaults"
 
 
 def prepare_default_model() -> None:
@@ -87,7 +112,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             model=target,
             head=head,
             dtype=args.dtype or "float32",
-            tree=TINY_TREE,
+            knobs=dict(TINY_KNOBS),
             tiny=True,
             description=(
                 "TINY SEEDED PAIR (vllm_eagle2_tools.testing.build_pair 'partial', seed "
@@ -113,52 +138,45 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             model=model,
             head=head,
             dtype=args.dtype or "bfloat16",
-            tree=REAL_TREE,
-            draft_vocab=REAL_DRAFT_VOCAB,
+            knobs=dict(REAL_KNOBS),
             tiny=False,
             description=f"target {model}, head {head}, prompts: {source}",
         )
     setup.prompts = datasets.token_prompts(setup.model, datasets.repeated(questions, args.num_prompts))
-    m, d, k = setup.tree
-    setup.tree = (
-        args.num_speculative_tokens if args.num_speculative_tokens is not None else m,
-        args.depth if args.depth is not None else d,
-        args.topk if args.topk is not None else k,
-    )
-    if args.draft_vocab is not None:
-        setup.draft_vocab = args.draft_vocab
+    for option, key in KNOB_OPTIONS.items():
+        if getattr(args, option) is not None:
+            setup.knobs[key] = getattr(args, option)
     return setup
 
 
 @dataclass
-class RunResult:
-    """One engine's generation: token ids per prompt, seconds, and the spec-decode counters' deltas."""
+class EngineRuns:
+    """One engine's timed rounds: seconds and tokens per round, and the spec-decode counters' deltas
+    over all of them."""
 
-    tokens: list[list[int]]
-    seconds: float
+    label: str
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # the last round's outputs, per prompt
+    num_tokens: list[int] = field(default_factory=list)  # tokens generated per round
     drafts: float = 0.0
     accepted: float = 0.0
-    start_seconds: float = 0.0  # the engine's start, compilation included (not in ``seconds``)
+    start_seconds: float = 0.0  # the engine's start, compilation included (not in any round)
+    metrics: list[Any] = field(default_factory=list, repr=False)  # its own counters (engine.own_metrics)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+    def speeds(self) -> list[float]:
+        """Tokens/s of each round."""
+        return [n / s for n, s in zip(self.num_tokens, self.seconds) if s > 0]
 
     @property
     def acceptance_length(self) -> float | None:
         return 1.0 + self.accepted / self.drafts if self.drafts > 0 else None
 
 
-def run_engine(setup: Setup, spec: dict[str, Any] | None, args: argparse.Namespace, label: str) -> RunResult:
-    """Start an engine, warm it up, time ``generate`` on the prompts, read the counters, shut it down."""
-    from vllm import SamplingParams
-
+def _start(setup: Setup, spec: dict[str, Any] | None, args: argparse.Namespace, runs: EngineRuns) -> Any:
+    """Start an engine and give it one untimed full pass over the prompts."""
     mode = "eager" if args.enforce_eager else "compiled, vLLM's default: the first start compiles for minutes"
-    log(f"{label}: starting the engine ({mode})")
+    log(f"{runs.label}: starting the engine ({mode})")
     t0 = time.perf_counter()
     llm = build_llm(
         setup.model,
@@ -169,35 +187,57 @@ def run_engine(setup: Setup, spec: dict[str, Any] | None, args: argparse.Namespa
         max_num_seqs=args.batch_size,
         eager=args.enforce_eager,
     )
-    try:
-        start_seconds = time.perf_counter() - t0
-        log(f"{label}: engine up in {start_seconds:.1f} s (compilation included); warming up")
-        params = SamplingParams(
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            ignore_eos=setup.tiny,  # the tiny target's EOS is arbitrary: always generate max_tokens
-            seed=args.seed if args.temperature > 0 else None,
-        )
-        warm_up(llm, setup.prompts)
-        drafts0, accepted0, _ = spec_counters(llm)
-        log(f"{label}: generating {len(setup.prompts)} x up to {args.max_tokens} tokens")
-        t1 = time.perf_counter()
-        outputs = llm.generate(setup.prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t1
-        drafts1, accepted1, _ = spec_counters(llm)
-    finally:
-        shutdown_llm(llm)
-        del llm
-        gc.collect()
-    result = RunResult(
-        tokens=[list(o.outputs[0].token_ids) for o in outputs],
-        seconds=seconds,
-        drafts=drafts1 - drafts0,
-        accepted=accepted1 - accepted0,
-        start_seconds=start_seconds,
+    runs.start_seconds = time.perf_counter() - t0
+    log(f"{runs.label}: engine up in {runs.start_seconds:.1f} s; an untimed pass over the prompts")
+    llm.generate(setup.prompts, _params(setup, args), use_tqdm=False)
+    return llm
+
+
+def _params(setup: Setup, args: argparse.Namespace) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=setup.tiny,  # the tiny target's EOS is arbitrary: always generate max_tokens
+        seed=args.seed if args.temperature > 0 else None,
     )
-    log(f"{label}: {result.num_tokens} tokens in {seconds:.2f} s")
-    return result
+
+
+def _time_round(llm: Any, setup: Setup, args: argparse.Namespace, runs: EngineRuns) -> None:
+    """One timed pass from an empty prefix cache (as a server meets new prompts)."""
+    cold_prefix_cache(llm)
+    drafts0, accepted0, _ = spec_counters(llm)
+    t0 = time.perf_counter()
+    outputs = llm.generate(setup.prompts, _params(setup, args), use_tqdm=False)
+    runs.seconds.append(time.perf_counter() - t0)
+    drafts1, accepted1, _ = spec_counters(llm)
+    runs.tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    runs.num_tokens.append(sum(len(t) for t in runs.tokens))
+    runs.drafts += drafts1 - drafts0
+    runs.accepted += accepted1 - accepted0
+    log(f"{runs.label}: round {len(runs.seconds)}: {runs.num_tokens[-1]} tokens in {runs.seconds[-1]:.2f} s")
+
+
+def run_rounds(setup: Setup, spec: dict[str, Any], args: argparse.Namespace) -> tuple[EngineRuns, EngineRuns]:
+    """Both engines up together, ``args.rounds`` timed rounds in alternating order (no speculation
+    first, then eagle2 first, ...), so that a machine whose speed drifts weighs on both alike."""
+    base, eagle = EngineRuns("no speculation"), EngineRuns("eagle2")
+    llms: list[Any] = []
+    try:
+        for runs, engine_spec in ((base, None), (eagle, spec)):
+            llms.append(_start(setup, engine_spec, args, runs))
+            runs.metrics = own_metrics()
+        pairs = list(zip(llms, (base, eagle)))
+        for round_ in range(args.rounds):
+            for llm, runs in pairs if round_ % 2 == 0 else pairs[::-1]:
+                use_metrics(runs.metrics)
+                _time_round(llm, setup, args, runs)
+    finally:
+        for llm in llms:
+            shutdown_llm(llm)
+        gc.collect()
+    return base, eagle
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -208,22 +248,53 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(setup: Setup, base: RunResult, eagle: RunResult, args: argparse.Namespace) -> str:
-    """The summary printed at the end: set-up line and the comparison table."""
-    m, d, k = setup.tree
+#: An engine whose rounds spread by more than this (slowest to fastest) ran on a machine whose speed
+#: moved: its median says little.
+MAX_ROUND_SPREAD = 0.20
+
+
+def speedup_summary(base: EngineRuns, eagle: EngineRuns) -> tuple[float, float, float]:
+    """Median speed-up over the rounds, and its range: round r's eagle2 speed over round r's."""
+    ratios = [e / b for b, e in zip(base.speeds, eagle.speeds)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def warnings_for(base: EngineRuns, eagle: EngineRuns) -> list[str]:
+    """Why the measured speed-up cannot be trusted, if it cannot (empty when it can)."""
+    found = []
+    median, _, _ = speedup_summary(base, eagle)
+    tau = eagle.acceptance_length
+    if tau is not None and median > tau:
+        found.append(
+            f"the speed-up {median:.2f}x exceeds tau {tau:.2f}: a verification pass emits tau tokens on "
+            "average and costs at least a plain step, so the machine's speed changed between the runs"
+        )
+    for runs in (base, eagle):
+        speeds = runs.speeds
+        spread = max(speeds) / min(speeds) - 1 if speeds and min(speeds) > 0 else 0.0
+        if spread > MAX_ROUND_SPREAD:
+            found.append(
+                f"{runs.label}'s rounds differ by {spread:.0%} (over {MAX_ROUND_SPREAD:.0%}): the machine's "
+                "speed moved while it ran (other load?)"
+            )
+    return found
+
+
+def report(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Namespace) -> str:
+    """The summary printed at the end: set-up lines, the comparison table, and any warning."""
     greedy = args.temperature == 0.0
     same = sum(a == b for a, b in zip(base.tokens, eagle.tokens))
     first_diff = [first_divergence(a, b) for a, b in zip(base.tokens, eagle.tokens) if a != b]
     tau = eagle.acceptance_length
-    vocab = f" V={setup.draft_vocab}" if setup.draft_vocab else ""
+    median, low, high = speedup_summary(base, eagle)
     rows = [
-        ["mode", "tokens/s", "acceptance length", "speedup", "identical to no-spec"],
-        ["no speculation", f"{base.tokens_per_s:.1f}", "-", "1.00x", "(reference)"],
+        ["mode", "tokens/s (median)", "acceptance length", "speedup (median, range)", "identical to no-spec"],
+        ["no speculation", f"{statistics.median(base.speeds):.1f}", "-", "1.00x", "(reference)"],
         [
-            f"eagle2 {args.tree} m={m} d={d} k={k}{vocab}",
-            f"{eagle.tokens_per_s:.1f}",
-            f"{tau:.2f}" if tau is not None else "n/a",
-            f"{eagle.tokens_per_s / base.tokens_per_s:.2f}x",
+            f"eagle2 {setup.label}",
+            f"{statistics.median(eagle.speeds):.1f}",
+            f"{tau:.2f}" if tau is not None else "- (drafted nothing)",
+            f"{median:.2f}x ({low:.2f}-{high:.2f})",
             f"{same}/{len(base.tokens)}" if greedy else "n/a (sampling)",
         ],
     ]
@@ -231,16 +302,23 @@ def report(setup: Setup, base: RunResult, eagle: RunResult, args: argparse.Names
         "",
         f"model: {setup.description}",
         f"dtype {setup.dtype}, {len(setup.prompts)} prompts, max {args.max_tokens} new tokens, "
-        f"batch {args.batch_size}, temperature {args.temperature}, "
-        f"{base.num_tokens} / {eagle.num_tokens} tokens generated",
+        f"batch {args.batch_size}, temperature {args.temperature}; {len(base.seconds)} timed rounds per "
+        "engine in alternating order, each from an empty prefix cache, after one untimed pass",
         f"vLLM mode: {'eager' if args.enforce_eager else 'compiled (its default)'}; engine start-up, "
-        f"compilation included and not in tokens/s: {base.start_seconds:.0f} s / {eagle.start_seconds:.0f} s",
+        f"compilation included and in no round: {base.start_seconds:.0f} s / {eagle.start_seconds:.0f} s",
         "",
         format_table(rows),
     ]
+    if tau is None:
+        lines.append(
+            "\neagle2 verified no drafts: its adaptive budget found that drafting would not pay on this "
+            "machine for this batch (docs/budget.md); it then runs as plain decoding"
+        )
     if greedy and first_diff:
         note = "expected to be rare in float32" if setup.dtype == "float32" else "bf16 near-ties can flip"
         lines.append(f"\ndiverging outputs: first difference at token {sorted(first_diff)} ({note})")
+    for warning in warnings_for(base, eagle):
+        lines.append(f"\nUNRELIABLE: {warning}. Rerun on an idle machine, or with more --rounds.")
     return "\n".join(lines)
 
 
@@ -248,23 +326,12 @@ def run_quickstart(args: argparse.Namespace) -> int:
     """Run both engines and print the comparison; returns the exit status.
 
     ``args``: the options of ``scripts/quickstart.py`` (model, head, num_prompts, max_tokens,
-    num_speculative_tokens, depth, topk, tree, draft_vocab, dtype, temperature, batch_size,
-    max_model_len, seed, verbose).
+    rounds, the eagle2 knobs of :data:`KNOB_OPTIONS`, dtype, temperature, batch_size,
+    max_model_len, seed, enforce_eager, verbose).
     """
     prepare_env(quiet=not args.verbose)
     setup = resolve_setup(args)
     log(setup.description)
-    m, d, k = setup.tree
-    spec = {
-        "method": "eagle2",
-        "model": str(setup.head),
-        "num_speculative_tokens": m,
-        "depth": d,
-        "topk": k,
-        "tree": args.tree,
-        "draft_vocab_size": setup.draft_vocab,
-    }
-    base = run_engine(setup, None, args, "no speculation")
-    eagle = run_engine(setup, spec, args, "eagle2")
+    base, eagle = run_rounds(setup, setup.spec, args)
     print(report(setup, base, eagle, args), flush=True)
     return 0

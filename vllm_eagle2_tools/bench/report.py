@@ -125,7 +125,7 @@ def build_results(
             "model": str(target.model),
             "head": str(target.head),
             "eagle3_head": str(target.eagle3_head) if target.eagle3_head else None,
-            "dataset": args.dataset,
+            "dataset": args.dataset if getattr(args, "prompts", None) is None else f"file:{args.prompts}",
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts],
             "max_tokens": args.max_tokens,

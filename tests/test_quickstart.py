@@ -1,0 +1,96 @@
+"""The quickstart (the README's first command) cannot mislead: medians over alternating rounds, and a
+warning whenever its numbers cannot be right.
+
+The report's checks run on hand-made rounds; one run on the tiny pair checks the whole command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_eagle2_tools.bench.quickstart import EngineRuns, Setup, report, speedup_summary, warnings_for
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = argparse.Namespace(temperature=0.0, max_tokens=8, batch_size=1, enforce_eager=False)
+SETUP = Setup(model=Path("m"), head=Path("h"), dtype="float32", tiny=True, description="test pair")
+
+
+def _runs(label: str, seconds: list[float], tokens: int = 100, drafts: float = 0.0, accepted: float = 0.0):
+    return EngineRuns(
+        label,
+        seconds=seconds,
+        tokens=[[1, 2, 3]],
+        num_tokens=[tokens] * len(seconds),
+        drafts=drafts,
+        accepted=accepted,
+    )
+
+
+def test_the_speedup_is_the_median_of_the_rounds_with_its_range():
+    base = _runs("no speculation", [10.0, 10.0, 10.0])
+    eagle = _runs("eagle2", [8.0, 5.0, 10.0], drafts=100, accepted=100)  # 1.25x, 2.0x, 1.0x
+    assert speedup_summary(base, eagle) == (1.25, 1.0, 2.0)
+    assert "1.25x (1.00-2.00)" in report(SETUP, base, eagle, ARGS)
+
+
+def test_steady_rounds_below_tau_carry_no_warning():
+    base = _runs("no speculation", [10.0, 10.5, 10.2])
+    eagle = _runs("eagle2", [8.0, 8.3, 8.1], drafts=100, accepted=50)  # tau 1.5, about 1.26x
+    assert warnings_for(base, eagle) == []
+    assert "UNRELIABLE" not in report(SETUP, base, eagle, ARGS)
+
+
+def test_a_speedup_above_tau_is_flagged_unreliable():
+    base = _runs("no speculation", [10.0, 10.0, 10.0])
+    eagle = _runs("eagle2", [5.0, 5.0, 5.0], drafts=100, accepted=20)  # 2.0x with tau 1.2
+    (warning,) = warnings_for(base, eagle)
+    assert "exceeds tau 1.20" in warning
+    assert "UNRELIABLE: the speed-up 2.00x exceeds tau 1.20" in report(SETUP, base, eagle, ARGS)
+
+
+def test_rounds_that_differ_by_more_than_a_fifth_are_flagged():
+    base = _runs("no speculation", [10.0, 13.0, 10.0])  # 30% apart
+    eagle = _runs("eagle2", [9.0, 9.0, 9.0], drafts=100, accepted=50)
+    (warning,) = warnings_for(base, eagle)
+    assert warning.startswith("no speculation's rounds differ by 30%")
+
+
+def test_an_engine_that_drafted_nothing_says_so_instead_of_a_tau():
+    base = _runs("no speculation", [10.0, 10.0])
+    eagle = _runs("eagle2", [10.1, 10.0])
+    text = report(SETUP, base, eagle, ARGS)
+    assert "- (drafted nothing)" in text and "verified no drafts" in text
+
+
+def test_the_quickstart_runs_on_the_tiny_pair(tmp_path):
+    from vllm_eagle2_tools.testing import build_pair, stored
+
+    target, head = (stored(p) for p in build_pair(tmp_path, "partial"))
+    argv = ["--model", str(target), "--head", str(head), "--num-prompts", "2", "--max-tokens", "8"]
+    argv += ["--rounds", "2", "--budget", "fixed", "--num-speculative-tokens", "6", "--depth", "3"]
+    argv += ["--topk", "2", "--dtype", "float32", "--enforce-eager"]  # compiled mode: test_engine_*
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "quickstart.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # engine cores in its process: faster
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "2 timed rounds per engine in alternating order" in out
+    eagle_row = next(line for line in out.splitlines() if line.startswith("eagle2 "))
+    assert "budget=fixed" in eagle_row and eagle_row.rstrip().endswith("2/2"), out  # identical outputs
+    # Both engines timed every round, in alternating order.
+    rounds = [line for line in proc.stderr.splitlines() if ": round " in line]
+    assert [line.split("] ", 1)[1].split(":")[0] for line in rounds] == [
+        "no speculation",
+        "eagle2",
+        "eagle2",
+        "no speculation",
+    ], rounds
