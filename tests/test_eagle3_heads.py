@@ -1,22 +1,33 @@
 """EAGLE-3 heads drafted as eagle2 trees: loaded as vLLM's ``eagle3`` loads them, and lossless.
 
-Tiny heads in vLLM's ``eagle3`` file format (:func:`vllm_eagle2_tools.testing.build_eagle3_head`) for the
-float32 "partial" target: a partly agreeing one with its own 400-token draft vocabulary (``d2t``), and a
-random one over the whole vocabulary that reads two auxiliary layers, its layer saved as ``layers.0``.
+Tiny heads (:func:`vllm_eagle2_tools.testing.build_eagle3_head`) for the float32 "partial" target, in
+both published layouts: EAGLE-3's own (a partly agreeing head with its own 400-token draft vocabulary,
+``d2t``, and a random one over the whole vocabulary that reads two auxiliary layers, its layer saved as
+``layers.0``), and the ``speculators`` layout of vLLM's speculators and SGLang's SpecForge, with its
+flags set, left to vLLM's defaults, and with the extra norms they add.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 from conftest import acceptance_length, assert_trees_exercised, run_llm
 from test_engine_lossless import greedy, greedy_reference, token_prompts, tokens_of
 
+from vllm_eagle2.config import Eagle2ConfigError
 from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
 from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 DRAFT_VOCAB = 400
+#: speculators-layout heads: their config flags (vLLM defaults norm_before_residual to True when absent).
+SPECULATORS = {
+    "speculators": {"norm_before_residual": False},
+    "speculators-defaults": {},
+    "speculators-fc-norms": {"norm_before_residual": False, "norm_before_fc": True, "fc_norm": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +38,13 @@ def models(tmp_path_factory) -> dict[str, Path]:
     random_head = build_eagle3_head(
         root / "eagle3-random", target, kind="random", aux_layers=(1, 2), seed=1, layer_prefix="layers.0."
     )
-    return {"target": target, "eagle_head": eagle_head, "partial": partial, "random": random_head}
+    heads = {
+        name: build_eagle3_head(
+            root / name, target, draft_vocab_size=DRAFT_VOCAB, layout="speculators", flags=flags
+        )
+        for name, flags in SPECULATORS.items()
+    }
+    return {"target": target, "eagle_head": eagle_head, "partial": partial, "random": random_head, **heads}
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +69,41 @@ def test_head_files_tell_the_formats_apart(models):
     assert (partial.format, partial.aux_layers, partial.draft_vocab_size) == (EAGLE3, (0, 1, 2), DRAFT_VOCAB)
     random_head = check_head(models["random"], target)
     assert (random_head.format, random_head.aux_layers, random_head.draft_vocab_size) == (EAGLE3, (1, 2), 0)
+    for name in SPECULATORS:
+        head = check_head(models[name], target)
+        assert (head.format, head.aux_layers, head.draft_vocab_size) == (EAGLE3, (0, 1, 2), DRAFT_VOCAB)
+        assert "layers.0.self_attn.q_proj.weight" in head.tensors
 
 
-def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(models, prompts, reference):
+def test_a_speculators_config_vllm_cannot_read_fails_before_any_weights_load(models, tmp_path):
+    target = TargetShape(hidden_size=128, vocab_size=512, num_layers=2)
+    config = json.loads((models["speculators"] / "config.json").read_text())
+    cases = [
+        ({"speculators_model_type": "peagle"}, "speculators_model_type 'peagle'.*allowed: eagle3"),
+        # vLLM's own reason: it has Eagle-3 heads for Llama and Qwen3 layers only.
+        (
+            {"transformer_layer_config": {**config["transformer_layer_config"], "model_type": "gemma"}},
+            "vLLM cannot load this speculators config: Unsupported model_type gemma",
+        ),
+    ]
+    for change, message in cases:
+        head = tmp_path / message[:10].replace(" ", "_")
+        shutil.copytree(models["speculators"], head)
+        (head / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(Eagle2ConfigError, match=message):
+            check_head(head, target)
+
+
+@pytest.mark.parametrize("head", ["partial", *SPECULATORS])
+def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(
+    models, prompts, reference, head
+):
     # The same files, unchanged, in both methods; the greedy chain of eagle2 must accept exactly what
-    # vLLM's eagle3 accepts at every position (a wrong auxiliary state, d2t map or draft KV would not).
+    # vLLM's eagle3 accepts at every position (a wrong auxiliary state, d2t map, norm flag or draft KV
+    # would not).
     k = 3
-    vllm_eagle3 = {"method": "eagle3", "model": str(models["partial"]), "num_speculative_tokens": k}
-    chain = eagle2(models["partial"], num_speculative_tokens=k, depth=k, topk=1, tree="chain")
+    vllm_eagle3 = {"method": "eagle3", "model": str(models[head]), "num_speculative_tokens": k}
+    chain = eagle2(models[head], num_speculative_tokens=k, depth=k, topk=1, tree="chain")
     per_position = []
     for spec in (vllm_eagle3, chain):
         outputs, metrics = run_llm(models["target"], spec, prompts, greedy())
@@ -76,12 +120,14 @@ def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(
         ("partial", dict(num_speculative_tokens=30, depth=6, topk=5, tree="static"), "eager"),
         ("random", dict(num_speculative_tokens=4, depth=2, topk=4), "eager"),
         ("partial", dict(num_speculative_tokens=12, depth=4, topk=3), "compiled"),
+        ("speculators-fc-norms", dict(num_speculative_tokens=12, depth=4, topk=3), "eager"),
     ],
     ids=[
         "partial-dynamic-m12-d4-k3",
         "partial-static-m30-d6-k5",
         "random-dynamic-m4-d2-k4",
         "partial-dynamic-m12-d4-k3-compiled",
+        "speculators-fc-norms-dynamic-m12-d4-k3",
     ],
 )
 def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, reference, head, knobs, mode):
@@ -89,7 +135,7 @@ def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, re
     outputs, metrics = run_llm(models["target"], spec, prompts, greedy(), compiled=mode == "compiled")
     assert tokens_of(outputs) == reference(mode)
     assert metrics["vllm:spec_decode_num_drafts"] > 0
-    if head == "partial":
+    if head != "random":
         assert_trees_exercised(metrics)
         assert acceptance_length(metrics) > 1.1  # the trees were partly accepted
 

@@ -313,7 +313,7 @@ def test_tree_equals_the_pre_vocab_topk_golden_trees(case):
     # The golden trees are in level order, ours best first: the same nodes, reordered.
     root, step = golden_inputs(case["seed"], case["batch"], case["vocab"])
     tree = build_dynamic_tree(
-        root, step, depth=case["depth"], topk=case["topk"], num_nodes=case["num_nodes"], mode=case["mode"]
+        root, step, depth=case["depth"], topk=case["topk"], num_nodes=case["num_tokens"], mode=case["mode"]
     )
     for b in range(case["batch"]):
         ours = tree_nodes(tree.tokens, tree.parents, tree.scores, b)

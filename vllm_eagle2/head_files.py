@@ -12,8 +12,16 @@ Two checkpoint formats load, the two vLLM loads:
   of ``draft_vocab_size`` tokens, and ``d2t`` (draft index -> target id offset) when that vocabulary
   is not the target's.
 
+Both come in two config layouts: the one EAGLE's authors publish (a flat ``LlamaConfig``; EAGLE-3
+layers as ``midlayer.*``), and the ``speculators`` layout of vLLM's ``speculators`` and SGLang's SpecForge
+(``speculators_model_type: "eagle3"``, the layer's config nested in ``transformer_layer_config``, flags
+such as ``norm_before_residual``, ``norm_before_fc`` and ``fc_norm``; layers as ``layers.N.*``). A
+``speculators`` config is read as vLLM reads it (:func:`flat_config`), so every flag means what it
+means in vLLM's ``eagle3``, whose head class eagle2 drafts with.
+
 Everything here reads ``config.json`` and the weight files' headers only, so a head that cannot
-serve the target fails before any weights load, naming what is wrong.
+serve the target fails before any weights load, naming what is wrong. No vLLM import at module level:
+only a ``speculators`` config asks vLLM's own reader.
 """
 
 from __future__ import annotations
@@ -57,6 +65,42 @@ class HeadInfo:
     draft_vocab_size: int = 0
 
 
+#: The ``speculators_model_type`` values eagle2 drafts trees from.
+SPECULATORS_TYPES = ("eagle3",)
+
+
+def flat_config(cfg: dict[str, Any], path: Any = "") -> dict[str, Any]:
+    """A head's ``config.json`` as vLLM 0.32 builds the head's config from it.
+
+    A ``speculators`` config (``speculators_model_type`` set) goes through vLLM's own reader
+    (``SpeculatorsConfig.extract_transformers_pre_trained_config``): the layer's nested config
+    plus the algorithm's fields, with vLLM's defaults (``norm_before_residual`` True when absent).
+    Any other config is returned as it is.
+
+    Raises:
+        Eagle2ConfigError: a ``speculators`` type other than :data:`SPECULATORS_TYPES`, or one that
+            vLLM cannot read (with vLLM's reason).
+    """
+    kind = cfg.get("speculators_model_type")
+    if kind is None:
+        return cfg
+    if kind not in SPECULATORS_TYPES:
+        raise Eagle2ConfigError(
+            f"{_WHAT}: speculators_model_type {kind!r} is not a head eagle2 drafts trees from "
+            f"(allowed: {', '.join(SPECULATORS_TYPES)}): {path}"
+        )
+    try:
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    except ImportError as exc:
+        raise Eagle2ConfigError(
+            f"{_WHAT}: a speculators-format head needs vLLM to read it ({exc}): {path}"
+        ) from exc
+    try:
+        return SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg)))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise Eagle2ConfigError(f"{_WHAT}: vLLM cannot load this speculators config: {exc}: {path}") from exc
+
+
 def head_format(cfg: dict[str, Any], tensors: dict[str, tuple[int, ...]]) -> str:
     """``eagle3`` for a head in vLLM's EAGLE-3 format (by architecture or tensor names), else ``eagle``."""
     if any("Eagle3" in arch for arch in cfg.get("architectures") or []):
@@ -70,7 +114,7 @@ def draft_method(head: Any) -> str:
     """vLLM's method for building this head's draft config: ``eagle3`` or ``eagle`` (never raises)."""
     try:
         path = Path(str(head)).expanduser()
-        return head_format(_read_config_json(path), read_tensor_shapes(path))
+        return head_format(flat_config(_read_config_json(path), path), read_tensor_shapes(path))
     except Eagle2ConfigError:
         return EAGLE  # check_head reports it
 
@@ -84,7 +128,7 @@ def check_head(head: Any, target: TargetShape) -> HeadInfo:
         raise Eagle2ConfigError(f"{_WHAT}: head path does not exist: {head}")
     if not path.is_dir():
         raise Eagle2ConfigError(f"{_WHAT} must be a folder with config.json: {head}")
-    cfg = _read_config_json(path)
+    cfg = flat_config(_read_config_json(path), head)
     vocab = cfg.get("vocab_size")
     if target.vocab_size is not None and vocab is not None and vocab != target.vocab_size:
         raise Eagle2ConfigError(

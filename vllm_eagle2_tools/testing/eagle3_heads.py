@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,7 @@ from vllm_eagle2_tools.testing.targets import _head_config, _load_config, _load_
 __all__ = ["build_eagle3_head"]
 
 Eagle3Kind = Literal["partial", "random"]
+Eagle3Layout = Literal["eagle3", "speculators"]
 #: Scale of the q and k projections of the "partial" head: self-attention scores far above the rest.
 _SELF_ATTENTION_GAIN = 4.0
 
@@ -48,6 +49,8 @@ def build_eagle3_head(
     draft_vocab_size: int | None = None,
     seed: int = 0,
     layer_prefix: str = "midlayer.",
+    layout: Eagle3Layout = "eagle3",
+    flags: dict[str, bool] | None = None,
 ) -> Path:
     """Build an EAGLE-3 head for ``target_dir`` (a :func:`~vllm_eagle2_tools.testing.build_target` folder).
 
@@ -65,9 +68,26 @@ def build_eagle3_head(
             choice of that many target tokens, ascending.
         seed: seeds every drawn weight and the draft vocabulary.
         layer_prefix: ``midlayer.`` as EAGLE-3 publishes heads, or ``layers.0.`` (vLLM reads both).
+        layout: ``eagle3``, the config as EAGLE-3's authors publish it (above); or ``speculators``, as
+            vLLM's ``speculators`` and SGLang's SpecForge save heads: ``speculators_model_type``
+            "eagle3", the layer's ``LlamaConfig`` nested in ``transformer_layer_config``, the
+            auxiliary layers at the top level, ``speculators_config`` (proposal methods, verifier),
+            weights under ``layers.0.`` whatever ``layer_prefix`` says.
+        flags: with ``speculators``, the config's ``norm_before_residual``, ``norm_before_fc`` (adds
+            ``input_norm.weight`` [A*H]) and ``fc_norm`` (adds ``fc_norm.{i}.weight`` [H]); a flag left
+            out is left out of the config (vLLM then defaults ``norm_before_residual`` to True). With
+            ``norm_before_residual`` the "partial" head's ``hidden_norm`` is scaled down, so that the
+            normed ``fc`` output it adds to the residual stays small, as the raw one is.
     """
     if kind not in ("partial", "random"):
         raise ValueError(f"unknown EAGLE-3 head kind {kind!r}")
+    if layout not in ("eagle3", "speculators"):
+        raise ValueError(f"unknown EAGLE-3 head layout {layout!r}")
+    flags = dict(flags or {})
+    if flags and layout != "speculators":
+        raise ValueError("flags are fields of the speculators layout")
+    if layout == "speculators":
+        layer_prefix = "layers.0."
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tcfg = _load_config(target_dir)
@@ -118,6 +138,13 @@ def build_eagle3_head(
         for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
             sd[f"{p}{name}.weight"] = tsd[f"model.layers.{last}.{name}.weight"].float().clone()
         sd["lm_head.weight"] = tsd["lm_head.weight"].float()[ids].clone()
+    if flags.get("norm_before_residual", layout == "speculators"):
+        sd[f"{p}hidden_norm.weight"] = torch.full((h,), 0.01 if kind == "partial" else 1.0)
+    if flags.get("norm_before_fc"):
+        sd["input_norm.weight"] = 1 + _normal(gen, (num_aux * h,), 0.1)
+    if flags.get("fc_norm"):
+        for i in range(num_aux):
+            sd[f"fc_norm.{i}.weight"] = 1 + _normal(gen, (h,), 0.1)
     if vd != vocab:
         sd["d2t"] = ids - torch.arange(vd)
         t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -125,15 +152,56 @@ def build_eagle3_head(
         sd["t2d"] = t2d
 
     cfg = _head_config(tcfg, 1, dtype)
-    cfg.architectures = ["LlamaForCausalLMEagle3"]
-    cfg.draft_vocab_size = vd
-    cfg.target_hidden_size = h
-    # In eagle_config: vLLM 0.32 sizes fc from there (a top-level list only picks the layers).
-    cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
-    cfg.save_pretrained(out)
+    if layout == "speculators":
+        _save_speculators_config(out, cfg, target_dir, vd, h, aux_layers, flags)
+    else:
+        cfg.architectures = ["LlamaForCausalLMEagle3"]
+        cfg.draft_vocab_size = vd
+        cfg.target_hidden_size = h
+        # In eagle_config: vLLM 0.32 sizes fc from there (a top-level list only picks the layers).
+        cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+        cfg.save_pretrained(out)
     from safetensors.torch import save_file
 
     # d2t and t2d keep their int64 and bool dtypes.
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _save_speculators_config(
+    out: Path,
+    layer_cfg: Any,
+    target_dir: str | Path,
+    draft_vocab_size: int,
+    target_hidden_size: int,
+    aux_layers: Sequence[int],
+    flags: dict[str, bool],
+) -> None:
+    """``config.json`` as ``speculators`` saves an EAGLE-3 head (vLLM reads it with its SpeculatorsConfig)."""
+    import json
+
+    layer = layer_cfg.to_dict()
+    layer.pop("architectures", None)
+    # vLLM sizes fc for 3 auxiliary states unless the layer's config says otherwise.
+    layer["num_aux_hidden_states"] = len(aux_layers)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+        **flags,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}
+            ],
+            "verifier": {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": str(layer.get("torch_dtype", layer.get("dtype", "float32"))).replace("torch.", ""),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
