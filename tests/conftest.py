@@ -138,6 +138,7 @@ LAYERS = {
         "test_engine_requests",
         "test_sampling_lossless",
         "test_eagle3_heads",
+        "test_target_families",
         "test_reliability",
         "test_serve",
     },

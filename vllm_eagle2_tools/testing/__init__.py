@@ -53,11 +53,13 @@ from vllm_eagle2_tools.testing.eagle3_heads import build_eagle3_head
 from vllm_eagle2_tools.testing.heads import build_eagle_head, build_pair
 from vllm_eagle2_tools.testing.reference import EagleHeadReference, teacher_forced_agreement
 from vllm_eagle2_tools.testing.store import stored
-from vllm_eagle2_tools.testing.targets import build_target, build_tokenizer
+from vllm_eagle2_tools.testing.targets import TARGET_FAMILIES, build_target, build_tokenizer, convert_target
 
 __all__ = [
     "build_tokenizer",
+    "TARGET_FAMILIES",
     "build_target",
+    "convert_target",
     "build_eagle_head",
     "build_eagle3_head",
     "build_pair",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -303,3 +304,94 @@ def _load_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def _load_config(model_dir: str | Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+#: Model families a Llama target converts to (:func:`convert_target`).
+TARGET_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+#: Experts of a converted ``qwen3_moe`` target, and how many each token is routed to.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
+
+
+def convert_target(src_dir: str | Path, out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """The same tiny Llama target (:func:`build_target`) as another model family, for vLLM's model class
+    of that family: ``qwen2`` (q/k/v biases, zero), ``qwen3`` (per-head q/k RMSNorms, weight 1: the
+    attention changes, the MLP path the heads copy does not), ``qwen3_moe`` (every layer's MLP becomes
+    ``MOE_EXPERTS`` identical experts behind a seeded router with ``MOE_TOP_K`` of them per token and
+    normalised weights, so that the layer computes what the dense MLP did, through vLLM's MoE code).
+
+    Heads built for ``src_dir`` (:func:`~vllm_eagle2_tools.testing.build_eagle_head`,
+    :func:`~vllm_eagle2_tools.testing.build_eagle3_head`) fit the converted target: same vocabulary,
+    hidden size, embedding and ``lm_head``.
+    """
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    if family not in TARGET_FAMILIES:
+        raise ValueError(f"unknown target family {family!r}; one of {', '.join(TARGET_FAMILIES)}")
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    tcfg, sd = _load_config(src), _load_state(src)
+    dtype = sd["lm_head.weight"].dtype
+    h, d, n_heads, n_kv = (
+        tcfg["hidden_size"],
+        tcfg["head_dim"],
+        tcfg["num_attention_heads"],
+        tcfg["num_key_value_heads"],
+    )
+    shape = {
+        key: tcfg[key]
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "hidden_act",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+        )
+    }
+    common = dict(shape, tie_word_embeddings=False, rope_theta=10000.0, use_sliding_window=False)
+    gen = torch.Generator().manual_seed(seed + 7)
+    for i in range(tcfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if family == "qwen2":
+            sd[p + "self_attn.q_proj.bias"] = torch.zeros(n_heads * d, dtype=dtype)
+            sd[p + "self_attn.k_proj.bias"] = torch.zeros(n_kv * d, dtype=dtype)
+            sd[p + "self_attn.v_proj.bias"] = torch.zeros(n_kv * d, dtype=dtype)
+        else:
+            sd[p + "self_attn.q_norm.weight"] = torch.ones(d, dtype=dtype)
+            sd[p + "self_attn.k_norm.weight"] = torch.ones(d, dtype=dtype)
+        if family == "qwen3_moe":
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                weight = sd.pop(f"{p}mlp.{name}.weight")
+                for e in range(MOE_EXPERTS):
+                    sd[f"{p}mlp.experts.{e}.{name}.weight"] = weight.clone()
+            sd[p + "mlp.gate.weight"] = _normal(gen, (MOE_EXPERTS, h), 1.0).to(dtype)
+    if family == "qwen2":
+        cfg = Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, attention_bias=False, architectures=["Qwen3ForCausalLM"])
+    else:
+        cfg = Qwen3MoeConfig(
+            **common,
+            attention_bias=False,
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=tcfg["intermediate_size"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.save_pretrained(out)
+    _save_safetensors(sd, out / "model.safetensors", dtype)
+    return out
