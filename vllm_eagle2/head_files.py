@@ -26,6 +26,7 @@ only a ``speculators`` config asks vLLM's own reader.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,7 @@ def flat_config(cfg: dict[str, Any], path: Any = "") -> dict[str, Any]:
             f"{_WHAT}: a speculators-format head needs vLLM to read it ({exc}): {path}"
         ) from exc
     try:
-        return SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg)))
+        return SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(cfg))
     except (ValueError, TypeError, KeyError) as exc:
         raise Eagle2ConfigError(f"{_WHAT}: vLLM cannot load this speculators config: {exc}: {path}") from exc
 

@@ -169,7 +169,7 @@ def token_prompts(model: Path | str, texts: list[str], chat: bool = True) -> lis
     return [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
 
 
-def repeated(texts: list[str], num: int) -> list[str]:
+def repeated(texts: list[Any], num: int) -> list[Any]:
     """The first ``num`` of ``texts`` repeated cyclically (a benchmark may ask for more than a set has)."""
     return (texts * (1 + num // len(texts)))[:num]
 
@@ -217,4 +217,4 @@ def file_prompts(path: Path, model: Path | str, num: int, chat: bool = True) -> 
         for i, messages in chats:
             rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             prompts[i] = {"prompt_token_ids": tok(rendered, add_special_tokens=False)["input_ids"]}
-    return (prompts * (1 + num // len(prompts)))[:num]
+    return repeated(prompts, num)

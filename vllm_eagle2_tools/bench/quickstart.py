@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_eagle2_tools import datasets
 from vllm_eagle2_tools.bench.engines import cold_prefix_cache
-from vllm_eagle2_tools.bench.records import first_divergence
+from vllm_eagle2_tools.bench.records import first_divergence, speedup_text
 from vllm_eagle2_tools.cpu_env import SCRATCH
 from vllm_eagle2_tools.engine import (
     build_llm,
@@ -296,7 +296,7 @@ def report(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Nam
             f"eagle2 {setup.label}",
             f"{statistics.median(eagle.speeds):.1f}",
             f"{tau:.2f}" if tau is not None else "- (drafted nothing)",
-            f"{median:.2f}x ({low:.2f}-{high:.2f})",
+            speedup_text({"speedup": median, "speedup_rounds": [low, high]}),
             f"{same}/{len(base.tokens)}" if greedy else "n/a (sampling)",
         ],
     ]
