@@ -2,10 +2,11 @@
 
 Starts two vLLM engines offline (``LLM(...)``) in one process on the same prompts -- one without
 speculation, one with ``speculative_config={"method": "eagle2", "model": HEAD}`` -- gives each an
-untimed pass over the prompts, then times ``--rounds`` passes of each in alternating order, each
-from an empty prefix cache. It prints the median tokens/s (generation only, engine start
-excluded), the mean acceptance length tau (tokens emitted per target pass: 1 + accepted drafts /
-drafting steps, from vLLM's counters), the median speed-up over no speculation with its range over
+untimed pass over the prompts, then times ``--rounds`` passes of each over the prompts, the engines
+taking turns batch by batch (who goes first alternating), each pass from an empty prefix cache.
+It prints the median tokens/s (generation only, engine start excluded), the mean acceptance
+length tau (tokens emitted per target pass: 1 + accepted drafts / drafting steps, from vLLM's
+counters), the median speed-up over no speculation with its range over
 the rounds, and how many outputs are identical to no speculation's. It flags the result as
 unreliable when the speed-up exceeds tau (impossible on a steady machine) or an engine's rounds
 differ by more than 20%.
@@ -48,7 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per run (default 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     p.add_argument(
-        "--rounds", type=int, default=3, help="timed rounds per engine, in alternating order (default 3)"
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed rounds per engine (default 3); within a round the engines take turns batch by batch",
     )
     knobs = p.add_argument_group(
         "eagle2 settings",

@@ -4,7 +4,7 @@ Tiny heads (:func:`vllm_eagle2_tools.testing.build_eagle3_head`) for the float32
 both published layouts: EAGLE-3's own (a partly agreeing head with its own 400-token draft vocabulary,
 ``d2t``, and a random one over the whole vocabulary that reads two auxiliary layers, its layer saved as
 ``layers.0``), and the ``speculators`` layout of vLLM's speculators and SGLang's SpecForge, with its
-flags set, left to vLLM's defaults, and with the extra norms they add.
+flags set, left to vLLM's defaults, with the extra norms they add, and with a Qwen3 layer (q/k norms).
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ from vllm_eagle2.head_files import EAGLE, EAGLE3, TargetShape, check_head
 from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 DRAFT_VOCAB = 400
-#: speculators-layout heads: their config flags (vLLM defaults norm_before_residual to True when absent).
+#: speculators-layout heads: their config flags (vLLM defaults norm_before_residual to True when absent)
+#: and the nested layer's type (a Qwen3 layer adds per-head q/k norms).
 SPECULATORS = {
-    "speculators": {"norm_before_residual": False},
-    "speculators-defaults": {},
-    "speculators-fc-norms": {"norm_before_residual": False, "norm_before_fc": True, "fc_norm": True},
+    "speculators": dict(flags={"norm_before_residual": False}),
+    "speculators-defaults": dict(flags={}),
+    "speculators-fc-norms": dict(
+        flags={"norm_before_residual": False, "norm_before_fc": True, "fc_norm": True}
+    ),
+    "speculators-qwen3": dict(flags={"norm_before_residual": False}, layer_type="qwen3"),
 }
 
 
@@ -40,9 +44,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     )
     heads = {
         name: build_eagle3_head(
-            root / name, target, draft_vocab_size=DRAFT_VOCAB, layout="speculators", flags=flags
+            root / name, target, draft_vocab_size=DRAFT_VOCAB, layout="speculators", **spec
         )
-        for name, flags in SPECULATORS.items()
+        for name, spec in SPECULATORS.items()
     }
     return {"target": target, "eagle_head": eagle_head, "partial": partial, "random": random_head, **heads}
 
@@ -121,6 +125,7 @@ def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(
         ("random", dict(num_speculative_tokens=4, depth=2, topk=4), "eager"),
         ("partial", dict(num_speculative_tokens=12, depth=4, topk=3), "compiled"),
         ("speculators-fc-norms", dict(num_speculative_tokens=12, depth=4, topk=3), "eager"),
+        ("speculators-qwen3", dict(num_speculative_tokens=12, depth=4, topk=3), "eager"),
     ],
     ids=[
         "partial-dynamic-m12-d4-k3",
@@ -128,6 +133,7 @@ def test_one_head_loads_in_vllms_eagle3_and_in_eagle2_and_drafts_the_same_chain(
         "random-dynamic-m4-d2-k4",
         "partial-dynamic-m12-d4-k3-compiled",
         "speculators-fc-norms-dynamic-m12-d4-k3",
+        "speculators-qwen3-dynamic-m12-d4-k3",
     ],
 )
 def test_greedy_trees_of_an_eagle3_head_equal_no_speculation(models, prompts, reference, head, knobs, mode):

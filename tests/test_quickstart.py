@@ -1,5 +1,5 @@
-"""The quickstart (the README's first command) cannot mislead: medians over alternating rounds, and a
-warning whenever its numbers cannot be right.
+"""The quickstart (the README's first command) cannot mislead: medians over rounds in which the engines
+take turns batch by batch, and a warning whenever its numbers cannot be right.
 
 The report's checks run on hand-made rounds; one run on the tiny pair checks the whole command.
 """
@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from vllm_eagle2_tools.bench.quickstart import EngineRuns, Setup, report, speedup_summary, warnings_for
 
@@ -83,14 +84,40 @@ def test_the_quickstart_runs_on_the_tiny_pair(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "2 timed rounds per engine in alternating order" in out
+    assert "2 timed rounds, the engines taking turns batch by batch" in out
     eagle_row = next(line for line in out.splitlines() if line.startswith("eagle2 "))
     assert "budget=fixed" in eagle_row and eagle_row.rstrip().endswith("2/2"), out  # identical outputs
-    # Both engines timed every round, in alternating order.
-    rounds = [line for line in proc.stderr.splitlines() if ": round " in line]
-    assert [line.split("] ", 1)[1].split(":")[0] for line in rounds] == [
-        "no speculation",
-        "eagle2",
-        "eagle2",
-        "no speculation",
-    ], rounds
+    assert sum(": round " in line for line in proc.stderr.splitlines()) == 4  # 2 engines x 2 rounds
+
+
+def test_the_engines_take_turns_batch_by_batch_from_a_cold_prefix_cache(monkeypatch):
+    from vllm_eagle2_tools.bench import quickstart
+
+    calls: list[tuple[str, ...]] = []
+
+    class Engine:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompts, params, use_tqdm):
+            calls.append((self.name, *prompts))
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2])]) for _ in prompts]
+
+    engines = iter([Engine("base"), Engine("eagle2")])
+    monkeypatch.setattr(quickstart, "_start", lambda *a: next(engines))
+    monkeypatch.setattr(quickstart, "_params", lambda *a: None)
+    monkeypatch.setattr(quickstart, "cold_prefix_cache", lambda llm: calls.append((llm.name, "cold")))
+    for name in ("own_metrics", "use_metrics", "shutdown_llm"):
+        monkeypatch.setattr(quickstart, name, lambda *a: None)
+    monkeypatch.setattr(quickstart, "spec_counters", lambda llm: (0, 0, None))
+    setup = Setup(model=Path("m"), head=Path("h"), dtype="float32", tiny=True, description="", prompts="abc")
+    args = argparse.Namespace(**{**vars(ARGS), "batch_size": 2, "rounds": 2})
+    base, eagle = quickstart.run_rounds(setup, {}, args)
+    # batches "ab" and "c"; who goes first alternates by batch and by round
+    assert calls == [
+        ("base", "cold"), ("eagle2", "cold"),
+        ("base", "a", "b"), ("eagle2", "a", "b"), ("eagle2", "c"), ("base", "c"),
+        ("base", "cold"), ("eagle2", "cold"),
+        ("eagle2", "a", "b"), ("base", "a", "b"), ("base", "c"), ("eagle2", "c"),
+    ]  # fmt: skip
+    assert base.num_tokens == eagle.num_tokens == [6, 6] and len(base.seconds) == 2

@@ -206,35 +206,52 @@ def _params(setup: Setup, args: argparse.Namespace) -> Any:
     )
 
 
-def _time_round(llm: Any, setup: Setup, args: argparse.Namespace, runs: EngineRuns) -> None:
-    """One timed pass from an empty prefix cache (as a server meets new prompts)."""
-    cold_prefix_cache(llm)
+def _timed_generate(
+    llm: Any, prompts: list[Any], setup: Setup, args: argparse.Namespace, runs: EngineRuns
+) -> None:
+    """One timed ``generate`` over ``prompts``, added to the engine's current round."""
+    use_metrics(runs.metrics)
     drafts0, accepted0, _ = spec_counters(llm)
     t0 = time.perf_counter()
-    outputs = llm.generate(setup.prompts, _params(setup, args), use_tqdm=False)
-    runs.seconds.append(time.perf_counter() - t0)
+    outputs = llm.generate(prompts, _params(setup, args), use_tqdm=False)
+    runs.seconds[-1] += time.perf_counter() - t0
     drafts1, accepted1, _ = spec_counters(llm)
-    runs.tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    runs.num_tokens.append(sum(len(t) for t in runs.tokens))
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    runs.tokens.extend(tokens)
+    runs.num_tokens[-1] += sum(len(t) for t in tokens)
     runs.drafts += drafts1 - drafts0
     runs.accepted += accepted1 - accepted0
-    log(f"{runs.label}: round {len(runs.seconds)}: {runs.num_tokens[-1]} tokens in {runs.seconds[-1]:.2f} s")
 
 
 def run_rounds(setup: Setup, spec: dict[str, Any], args: argparse.Namespace) -> tuple[EngineRuns, EngineRuns]:
-    """Both engines up together, ``args.rounds`` timed rounds in alternating order (no speculation
-    first, then eagle2 first, ...), so that a machine whose speed drifts weighs on both alike."""
+    """Both engines up together, then ``args.rounds`` timed rounds over the prompts.
+
+    Within a round the engines take turns batch by batch (``args.batch_size`` prompts), the one
+    going first alternating, so that the two engines' times of a round are seconds apart: on a
+    machine whose speed drifts, round r's speed-up compares like with like. Each round starts from
+    an empty prefix cache (as a server meets new prompts).
+    """
     base, eagle = EngineRuns("no speculation"), EngineRuns("eagle2")
     llms: list[Any] = []
+    size = args.batch_size
+    batches = [setup.prompts[i : i + size] for i in range(0, len(setup.prompts), size)]
     try:
         for runs, engine_spec in ((base, None), (eagle, spec)):
             llms.append(_start(setup, engine_spec, args, runs))
             runs.metrics = own_metrics()
         pairs = list(zip(llms, (base, eagle)))
         for round_ in range(args.rounds):
-            for llm, runs in pairs if round_ % 2 == 0 else pairs[::-1]:
-                use_metrics(runs.metrics)
-                _time_round(llm, setup, args, runs)
+            for llm, runs in pairs:
+                cold_prefix_cache(llm)
+                runs.seconds.append(0.0)
+                runs.num_tokens.append(0)
+                runs.tokens = []  # the last round's outputs are compared
+            for i, prompts in enumerate(batches):
+                for llm, runs in pairs if (round_ + i) % 2 == 0 else pairs[::-1]:
+                    _timed_generate(llm, prompts, setup, args, runs)
+            for runs in (base, eagle):
+                done = f"{runs.num_tokens[-1]} tokens in {runs.seconds[-1]:.2f} s"
+                log(f"{runs.label}: round {round_ + 1}: {done}")
     finally:
         for llm in llms:
             shutdown_llm(llm)
@@ -304,8 +321,8 @@ def report(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Nam
         "",
         f"model: {setup.description}",
         f"dtype {setup.dtype}, {len(setup.prompts)} prompts, max {args.max_tokens} new tokens, "
-        f"batch {args.batch_size}, temperature {args.temperature}; {len(base.seconds)} timed rounds per "
-        "engine in alternating order, each from an empty prefix cache, after one untimed pass",
+        f"batch {args.batch_size}, temperature {args.temperature}; {len(base.seconds)} timed rounds, the "
+        "engines taking turns batch by batch, each round from an empty prefix cache, after one untimed pass",
         f"vLLM mode: {'eager' if args.enforce_eager else 'compiled (its default)'}; engine start-up, "
         f"compilation included and in no round: {base.start_seconds:.0f} s / {eagle.start_seconds:.0f} s",
         "",

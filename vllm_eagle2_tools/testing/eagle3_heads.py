@@ -36,6 +36,7 @@ __all__ = ["build_eagle3_head"]
 
 Eagle3Kind = Literal["partial", "random"]
 Eagle3Layout = Literal["eagle3", "speculators"]
+Eagle3Layer = Literal["llama", "qwen3"]
 #: Scale of the q and k projections of the "partial" head: self-attention scores far above the rest.
 _SELF_ATTENTION_GAIN = 4.0
 
@@ -51,6 +52,7 @@ def build_eagle3_head(
     layer_prefix: str = "midlayer.",
     layout: Eagle3Layout = "eagle3",
     flags: dict[str, bool] | None = None,
+    layer_type: Eagle3Layer = "llama",
 ) -> Path:
     """Build an EAGLE-3 head for ``target_dir`` (a :func:`~vllm_eagle2_tools.testing.build_target` folder).
 
@@ -78,14 +80,20 @@ def build_eagle3_head(
             out is left out of the config (vLLM then defaults ``norm_before_residual`` to True). With
             ``norm_before_residual`` the "partial" head's ``hidden_norm`` is scaled down, so that the
             normed ``fc`` output it adds to the residual stays small, as the raw one is.
+        layer_type: with ``speculators``, the nested layer's ``model_type``: ``llama``, or ``qwen3``
+            (vLLM's ``Eagle3Qwen3ForCausalLM``), which adds per-head ``self_attn.{q,k}_norm.weight`` [d]:
+            the "partial" head's set to the self-attention gain (a per-head RMSNorm would otherwise
+            undo the scaled-up q and k), the "random" head's drawn near 1.
     """
     if kind not in ("partial", "random"):
         raise ValueError(f"unknown EAGLE-3 head kind {kind!r}")
     if layout not in ("eagle3", "speculators"):
         raise ValueError(f"unknown EAGLE-3 head layout {layout!r}")
     flags = dict(flags or {})
-    if flags and layout != "speculators":
-        raise ValueError("flags are fields of the speculators layout")
+    if (flags or layer_type != "llama") and layout != "speculators":
+        raise ValueError("flags and layer_type are fields of the speculators layout")
+    if layer_type not in ("llama", "qwen3"):
+        raise ValueError(f"unknown EAGLE-3 layer type {layer_type!r}; one of llama, qwen3")
     if layout == "speculators":
         layer_prefix = "layers.0."
     out = Path(out_dir)
@@ -140,6 +148,11 @@ def build_eagle3_head(
         sd["lm_head.weight"] = tsd["lm_head.weight"].float()[ids].clone()
     if flags.get("norm_before_residual", layout == "speculators"):
         sd[f"{p}hidden_norm.weight"] = torch.full((h,), 0.01 if kind == "partial" else 1.0)
+    if layer_type == "qwen3":
+        for name in ("q_norm", "k_norm"):
+            sd[f"{p}self_attn.{name}.weight"] = (
+                torch.full((d,), _SELF_ATTENTION_GAIN) if kind == "partial" else 1 + _normal(gen, (d,), 0.1)
+            )
     if flags.get("norm_before_fc"):
         sd["input_norm.weight"] = 1 + _normal(gen, (num_aux * h,), 0.1)
     if flags.get("fc_norm"):
@@ -153,6 +166,13 @@ def build_eagle3_head(
 
     cfg = _head_config(tcfg, 1, dtype)
     if layout == "speculators":
+        if layer_type == "qwen3":
+            from transformers import Qwen3Config
+
+            layer = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "mlp_bias")}
+            cfg = Qwen3Config(
+                **{**layer, "head_dim": d, "attention_bias": False, "use_sliding_window": False}
+            )
         _save_speculators_config(out, cfg, target_dir, vd, h, aux_layers, flags)
     else:
         cfg.architectures = ["LlamaForCausalLMEagle3"]
