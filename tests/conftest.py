@@ -124,6 +124,8 @@ LAYERS = {
     "core": {
         "test_tree",
         "test_verify",
+        "test_lookup",
+        "test_graft",
         "test_budget",
         "test_fuzz_core",
         "test_tree_mask",
@@ -139,6 +141,7 @@ LAYERS = {
         "test_sampling_lossless",
         "test_eagle3_heads",
         "test_target_families",
+        "test_lookup_engine",
         "test_reliability",
         "test_serve",
     },

@@ -280,7 +280,7 @@ def test_chain_plan_keeps_every_node_of_its_depth():
 # --- allocation ---------------------------------------------------------------------------------
 
 
-def allocate(values, depths=None, allowed=None, correction=None, step_seconds=None):
+def allocate(values, depths=None, allowed=None, correction=None, step_seconds=None, grafted=None):
     values = torch.tensor(values, dtype=torch.float32).log()
     batch, n = values.shape
     depths = torch.ones(batch, n, dtype=torch.long) if depths is None else torch.tensor(depths)
@@ -288,7 +288,8 @@ def allocate(values, depths=None, allowed=None, correction=None, step_seconds=No
     correction = torch.ones(8) if correction is None else torch.tensor(correction)
     if step_seconds is None:
         step_seconds = 1.0 + 0.3 * torch.arange(batch * n + 1)
-    return allocate_nodes(values, depths, allowed, correction, step_seconds).tolist()
+    grafted = None if grafted is None else torch.tensor(grafted)
+    return allocate_nodes(values, depths, allowed, correction, step_seconds, grafted).tolist()
 
 
 def test_allocation_keeps_every_node_when_verification_is_free():
@@ -312,6 +313,15 @@ def test_allocation_keeps_prefixes_when_corrected_values_rise_with_depth():
         [[0.3, 0.25]], depths=[[1, 2]], correction=[1.0, 1.0, 4.0], step_seconds=torch.tensor([1.0, 1.1, 1.2])
     )
     assert counts == [2]
+
+
+def test_lookup_nodes_are_priced_by_their_own_values_at_any_depth():
+    # The head's depth-1 node is accepted a tenth as often as its value says; the lookup chain's
+    # nodes (values already acceptance estimates, depths past the head's table) are not corrected.
+    steps = 1.0 + 0.1 * torch.arange(4)
+    kwargs = dict(depths=[[1, 2, 9]], correction=[1.0, 0.1, 0.1], step_seconds=steps)
+    assert allocate([[0.9, 0.8, 0.7]], grafted=[[True, True, True]], **kwargs) == [3]
+    assert allocate([[0.9, 0.8, 0.7]], grafted=[[False, False, False]], **kwargs) == [0]
 
 
 def test_allocation_gives_nothing_to_requests_that_may_not_draft():

@@ -328,6 +328,7 @@ def test_config_carries_the_tree_settings(config):
     settings = config.speculative_config.eagle2
     assert (settings.num_nodes, settings.depth, settings.topk, settings.tree) == (12, 4, 3, "dynamic")
     assert config.speculative_config.num_speculative_tokens == 12
+    assert settings.lookup == 0  # lookup chains are off unless asked for
 
 
 def test_the_budget_is_adaptive_by_default(config, models):
@@ -428,6 +429,16 @@ INVALID = {
         dict(KNOBS, tree="bushy"),
         "head",
         ["speculative_config.tree", "bushy", *TREE_MODES],
+    ),
+    "lookup chain longer than 64": (
+        dict(KNOBS, lookup=65),
+        "head",
+        ["speculative_config.lookup", "[0, 64]", "65"],
+    ),
+    "lookup chains in a static tree": (
+        dict(KNOBS, tree="static", lookup=8),
+        "head",
+        ["speculative_config.lookup", "must be 0 with tree 'static'", "dynamic"],
     ),
     "head path does not exist": (KNOBS, "missing_head", ["speculative_config.model", "does not exist"]),
     "head of another hidden size": (KNOBS, "narrow_head", ["speculative_config.model", "hidden_size", "64"]),

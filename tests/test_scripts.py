@@ -432,7 +432,7 @@ def test_benchmark_runs_own_prompts_and_the_ngram_drafter_on_the_tiny_pair(tmp_p
     prompts.write_text("\n".join([json.dumps({"prompt": loop}), "", json.dumps(chat)]) + "\n")
     out = tmp_path / "bench.json"
     argv = ["--tiny", "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "16"]
-    argv += ["--modes", "nospec,ngram", "--eagle-k", "3", "--enforce-eager", "--output", str(out)]
+    argv += ["--modes", "nospec,ngram,lookup", "--eagle-k", "3", "--enforce-eager", "--output", str(out)]
     # Engine cores in the script's process: each engine starts in half the time.
     proc = _run_script("benchmark.py", *argv, timeout=900, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -441,9 +441,32 @@ def test_benchmark_runs_own_prompts_and_the_ngram_drafter_on_the_tiny_pair(tmp_p
     assert record["setup"]["num_prompts"] == 2
     assert record["setup"]["commit"]  # the commit measured, "+dirty" with uncommitted changes
     rows = {row["label"]: row for row in record["all_rows"]}
-    assert set(rows) == {"no speculation", "vLLM ngram k=3"}
+    assert set(rows) == {"no speculation", "vLLM ngram k=3", "eagle2 defaults + lookup 8"}
     ngram = rows["vLLM ngram k=3"]
     assert ngram["drafts"] > 0 and ngram["identical"] == ngram["compared"] == 2, ngram
+    lookup = rows["eagle2 defaults + lookup 8"]
+    assert lookup["spec"]["lookup"] == 8 and lookup["identical"] == lookup["compared"] == 2, lookup
+    assert 0 <= lookup["accepted_from_lookup"] <= lookup["accepted"]
+
+
+def test_copy_heavy_datasets_put_the_text_to_repeat_in_the_prompt() -> None:
+    from vllm_eagle2_tools import datasets
+
+    edit = datasets.benchmark_texts("humaneval-edit")
+    tasks = datasets.humaneval_tasks()
+    assert len(edit) == 164 and tasks[0]["canonical_solution"] in edit[0]
+    passages = datasets.sharegpt_passages()
+    assert len(passages) == datasets.PASSAGE_POOL
+    low, high = datasets.PASSAGE_CHARS
+    assert all(low <= len(answer) <= high for _, answer in passages)
+    question, answer = passages[0]
+    assert answer in datasets.benchmark_texts("sharegpt-extract")[0]
+    assert (
+        answer in datasets.benchmark_texts("sharegpt-qa")[0]
+        and question in datasets.benchmark_texts("sharegpt-qa")[0]
+    )
+    chat = datasets.benchmark_texts("sharegpt-rewrite")[0]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user"] and chat[1]["content"] == answer
 
 
 def test_benchmark_refuses_suffix_decoding_before_starting_anything_without_its_package() -> None:

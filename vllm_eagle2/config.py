@@ -1,9 +1,9 @@
 """The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
 
 Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m, "depth": 6,
-"topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto"}``. vLLM's own config
-class rejects unknown keys, so the plugin pops the eagle2 keys here, validates everything
-that can be checked without weights, and hands the rest to vLLM.
+"topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto",
+"lookup": 0}``. vLLM's own config class rejects unknown keys, so the plugin pops the eagle2 keys
+here, validates everything that can be checked without weights, and hands the rest to vLLM.
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ DEFAULT_BUDGET = "adaptive"
 #: :data:`vllm_eagle2.draft_vocab.COVERAGE` of its ranking, when the head ships one and its
 #: format and the parallelism allow it; else the whole vocabulary.
 AUTO = "auto"
-EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size")
+#: ``lookup: L`` grafts into every tree a chain of up to L tokens that continues the longest
+#: repeated suffix of the request's own text (:mod:`vllm_eagle2.engine.lookup_drafts`); 0 = off.
+DEFAULT_LOOKUP = 0
+MAX_LOOKUP = 64
+EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size", "lookup")
 
 
 class Eagle2ConfigError(ValueError):
@@ -54,6 +58,7 @@ class Eagle2Settings:
     failing). draft_vocab_ids: the N token ids, read from the head folder by the plugin.
     head_format: the head's checkpoint format, ``eagle`` or ``eagle3`` (read from the head folder
     by the plugin, :func:`vllm_eagle2.head_files.check_head`).
+    lookup: tokens per lookup chain grafted into each tree (0 = none; ``dynamic`` trees only).
     """
 
     num_nodes: int = DEFAULT_NUM_TOKENS
@@ -65,6 +70,7 @@ class Eagle2Settings:
     draft_vocab_auto: bool = True
     draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
     head_format: str = "eagle"
+    lookup: int = DEFAULT_LOOKUP
 
     @property
     def nodes_per_step(self) -> int:
@@ -117,7 +123,14 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
             f"speculative_config.draft_vocab_size must be 0 (the whole vocabulary) or >= topk ({topk}); "
             f"got {draft_vocab_size}"
         )
+    lookup = _int_field("lookup", spec.get("lookup", DEFAULT_LOOKUP), 0, MAX_LOOKUP)
+    if lookup and tree != "dynamic":
+        raise Eagle2ConfigError(
+            f"speculative_config.lookup must be 0 with tree {tree!r} (lookup chains are grafted into "
+            f"dynamic trees only); got {lookup}"
+        )
     return Eagle2Settings(
+        lookup=lookup,
         num_nodes=num_nodes,
         depth=depth,
         topk=topk,

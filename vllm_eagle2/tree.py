@@ -26,10 +26,11 @@ build can be captured in a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from vllm_eagle2.graft import LookupChains, keep_best_grafted, positions_in
 from vllm_eagle2.kernels import vocab_topk
 
 __all__ = [
@@ -74,7 +75,10 @@ class DraftTree:
     parents: [B, N] int64, -1 = child of the root, else the index (< own index) of the parent.
     depths:  [B, N] int64, 1 = child of the root.
     ranks:   [B, N] int64, the node's rank (0 = likeliest) among its parent's drafted children.
-    scores:  [B, N] float32, the node's value: draft log-probability of its whole path.
+    scores:  [B, N] float32, the node's value: draft log-probability of its whole path (a
+             grafted node's: its chain's estimated log-probability of acceptance).
+    grafted: [B, N] bool, nodes from lookup chains that the head did not draft (their rank
+             is 0; :mod:`vllm_eagle2.graft`); None when no chains were given.
     """
 
     tokens: torch.Tensor
@@ -82,6 +86,7 @@ class DraftTree:
     depths: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
+    grafted: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -151,6 +156,8 @@ def build_dynamic_tree(
     topk: int,
     num_nodes: int,
     mode: str = "dynamic",
+    token_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lookup: LookupChains | None = None,
 ) -> DraftTree:
     """Grow one draft tree per request and keep its best ``num_nodes`` nodes.
 
@@ -177,11 +184,17 @@ def build_dynamic_tree(
                           (capped by its parent's key so the kept set stays a tree);
             ``no_rerank`` keep the nodes chosen as frontiers during expansion, in level
                           order, instead of the global best of the pool.
+        token_ids: maps the head's vocabulary positions [B, n] (a draft vocabulary) to token
+            ids; the tree's tokens are then token ids. None: positions are token ids.
+        lookup: chains grafted into the pool before the rerank (:mod:`vllm_eagle2.graft`),
+            ``dynamic`` mode only; their nodes compete with the head's for the ``num_nodes``.
 
     Returns:
         :class:`DraftTree` with N = ``tree_size(mode, depth, topk, num_nodes)`` nodes.
     """
     depth, topk, num_nodes = _checked_shape(root_logits, mode, depth, topk, num_nodes)
+    if lookup is not None and mode != "dynamic":
+        raise ValueError(f"lookup chains are grafted in dynamic mode only; got mode {mode!r}")
     batch, vocab = root_logits.shape
     device = root_logits.device
     k, kk = topk, topk * topk
@@ -232,10 +245,21 @@ def build_dynamic_tree(
         if separate_keys:
             frontier_key = key.gather(1, chosen)
 
+    pool_tokens = _cat(level_tokens)
+    if lookup is not None:
+        pool_tokens = pool_tokens if token_ids is None else token_ids(pool_tokens)
+        batch, pool = pool_tokens.shape
+        index = torch.arange(pool, device=device)
+        parents = _frontier1(chosen_per_level, k, batch, device)[:, index.div(k, rounding_mode="floor")] - 1
+        depths = (index + (k * k - k)).div(k * k, rounding_mode="floor") + 1
+        fields = keep_best_grafted(
+            pool_tokens, _cat(level_values), parents, depths.expand(batch, pool), num_nodes, lookup
+        )
+        ranks = torch.where(fields["grafted"], 0, (fields.pop("kept") - k).remainder(k))
+        return DraftTree(ranks=ranks, **fields)
     pool_key = _cat(level_keys) if separate_keys else None
-    return _keep_best(
-        mode, _cat(level_tokens), _cat(level_values), pool_key, chosen_per_level, k, depth, num_nodes
-    )
+    tree = _keep_best(mode, pool_tokens, _cat(level_values), pool_key, chosen_per_level, k, depth, num_nodes)
+    return tree if token_ids is None else replace(tree, tokens=token_ids(tree.tokens))
 
 
 def _keep_best(
@@ -308,8 +332,18 @@ def _kept_parents(
     of pool node p is ``frontier1[p // k]`` (p // k = 0 for level 1, else
     1 + (L-2)*k + slot // k for child slot of level L).
     """
-    batch, num_nodes = kept.shape
-    device = kept.device
+    parent1 = _frontier1(chosen_per_level, k, kept.shape[0], kept.device).gather(
+        1, kept.div(k, rounding_mode="floor")
+    )
+    return positions_in(kept, parent1, pool)
+
+
+def _frontier1(
+    chosen_per_level: list[torch.Tensor], k: int, batch: int, device: torch.device
+) -> torch.Tensor:
+    """[B, 1 + (depth-1)*k] pool indices shifted by one (root = 0) of the root and of the frontier
+    nodes of levels 1..depth-1 (``chosen_per_level``: levels 2..depth-1): pool node p's shifted
+    parent is entry ``p // k``."""
     kk = k * k
     frontier1 = torch.arange(k + 1, device=device).expand(batch, k + 1)  # root, level 1
     if chosen_per_level:
@@ -317,11 +351,7 @@ def _kept_parents(
         starts = torch.arange(k + 1, k + 1 + len(chosen_per_level) * kk, kk, device=device)
         later = (torch.stack(chosen_per_level, dim=1) + starts.unsqueeze(-1)).flatten(1)
         frontier1 = torch.cat([frontier1, later], dim=1)
-    parent1 = frontier1.gather(1, kept.div(k, rounding_mode="floor"))
-    # position1[b, p + 1] = position of pool node p in kept, or -1 (root and dropped nodes).
-    position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=device)
-    position1.scatter_(1, kept + 1, torch.arange(num_nodes, device=device).expand(batch, num_nodes))
-    return position1.gather(1, parent1)
+    return frontier1
 
 
 def _frontier_flags(

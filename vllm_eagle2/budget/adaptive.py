@@ -351,7 +351,12 @@ class AdaptiveBudget:
         return plan
 
     def allocate(
-        self, plan: DraftPlan, values: torch.Tensor, depths: torch.Tensor, allowed: torch.Tensor
+        self,
+        plan: DraftPlan,
+        values: torch.Tensor,
+        depths: torch.Tensor,
+        allowed: torch.Tensor,
+        grafted: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`)."""
         batch, n = values.shape
@@ -362,7 +367,7 @@ class AdaptiveBudget:
         seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
         seconds = seconds + draft_seconds(plan, batch, costs["level"])
         step_seconds = to_device(seconds.astype(np.float32), values.device)
-        return allocate_nodes(values, depths, allowed, self.correction(), step_seconds)
+        return allocate_nodes(values, depths, allowed, self.correction(), step_seconds, grafted)
 
     def count_step(self, plan: DraftPlan, counts: list[int]) -> None:
         """Metrics of one step: the plan and the drafts sent for each request."""

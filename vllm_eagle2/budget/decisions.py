@@ -258,6 +258,7 @@ def allocate_nodes(
     allowed: torch.Tensor,
     correction: torch.Tensor,
     step_seconds: torch.Tensor,
+    grafted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drafts per request [B] int64 that maximise the next step's expected tokens per second.
 
@@ -275,9 +276,14 @@ def allocate_nodes(
         allowed: [B] bool, False = the request takes no drafts.
         correction: [D + 1] float, accepted per unit of exp(value) at each depth (D >= max depth).
         step_seconds: [B * N + 1] float, predicted seconds of a step verifying j drafts in all.
+        grafted: [B, N] bool, nodes of lookup chains, whose values are already acceptance
+            estimates (no correction; they may lie deeper than the head drafts).
     """
     batch, n = values.shape
-    gain = (correction[depths] * values.float().exp()).clamp(0.0, 1.0)
+    scale = correction[depths.clamp(max=correction.shape[0] - 1)]
+    if grafted is not None:
+        scale = torch.where(grafted, 1.0, scale)
+    gain = (scale * values.float().exp()).clamp(0.0, 1.0)
     gain = torch.cummin(gain, dim=1).values * allowed.unsqueeze(1)
     flat = gain.flatten()
     order = torch.sort(flat, descending=True, stable=True)

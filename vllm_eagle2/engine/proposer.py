@@ -38,6 +38,7 @@ from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
+from vllm_eagle2.engine.lookup_drafts import LookupDrafts
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
@@ -50,8 +51,10 @@ class ProposedTrees:
     """The trees proposed last step, for the verifier of this step.
 
     req_ids: request ids, in the batch order of the proposing step.
-    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32 (see
+    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32, grafted: [B, N] bool (see
     :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
+    lookup_buckets: [B] int64, the match-length bucket of each request's lookup chain (-1 = none;
+        all -1 without lookup chains).
     off_chain: [B, M] bool on the host, M <= N: the drafts sent that are off their tree's
         leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
         verification needs a tree mask. It came with the drafts' own transfer, so the verifier
@@ -63,6 +66,8 @@ class ProposedTrees:
     parents: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
+    grafted: torch.Tensor
+    lookup_buckets: torch.Tensor
     off_chain: np.ndarray
 
 
@@ -105,6 +110,7 @@ class Eagle2Proposer(EagleProposer):
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
+        self.lookup = LookupDrafts(s.lookup, device) if s.lookup else None
         blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
         if blockers:
             logger.warning(
@@ -200,9 +206,13 @@ class Eagle2Proposer(EagleProposer):
     def forget(self, req_ids: set[str]) -> None:
         for rid in req_ids:
             self._eligible.pop(rid, None)
+        if self.lookup is not None:
+            self.lookup.forget(req_ids)
 
-    def begin_step(self, batch: int) -> None:
+    def begin_step(self, batch: int, sampled: Any = None) -> None:
         """Plan this step's drafts for its ``batch`` requests, before vLLM prepares the drafter's inputs.
+
+        ``sampled``: vLLM's sampled tokens of this step, for the lookup chains.
 
         The adaptive budget's bookkeeping of the target pass is done here. A step the budget keeps
         without drafts still runs the head's catch-up pass in :meth:`propose` (no ``lm_head``, no
@@ -211,6 +221,8 @@ class Eagle2Proposer(EagleProposer):
         at batch 1: top-1 acceptance 7% against 41%), which taught the budget that drafting never
         pays.
         """
+        if self.lookup is not None:
+            self.lookup.take_sampled(sampled)
         budget = self.budget
         if budget is None:
             plan = self._full_plan
@@ -270,6 +282,9 @@ class Eagle2Proposer(EagleProposer):
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
         root_logits = self._draft_logits(last_hidden[sample_idx])
         expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
+        chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=root_pos.device)
+        if self.lookup is not None and req_ids:
+            chains, buckets = self.lookup.chains(self.runner, req_ids)
         tree = build_dynamic_tree(
             root_logits,
             expander,
@@ -277,8 +292,11 @@ class Eagle2Proposer(EagleProposer):
             topk=plan.topk,
             num_nodes=plan.num_nodes,
             mode=self.settings.tree,
+            token_ids=self._token_ids,
+            lookup=chains,
         )
-        tokens = self._token_ids(tree.tokens)
+        tokens = tree.tokens
+        grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
         n_out = min(num_speculative_tokens, tree.num_nodes)
@@ -288,7 +306,9 @@ class Eagle2Proposer(EagleProposer):
             counts = allowed.long() * n_out
         else:
             budget.drafting_done()
-            counts = budget.allocate(plan, tree.scores[:, :n_out], tree.depths[:, :n_out], allowed)
+            counts = budget.allocate(
+                plan, tree.scores[:, :n_out], tree.depths[:, :n_out], allowed, grafted[:, :n_out]
+            )
             budget.copy_stats()
         sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
         off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
@@ -300,6 +320,8 @@ class Eagle2Proposer(EagleProposer):
             parents=tree.parents,
             ranks=tree.ranks,
             scores=tree.scores,
+            grafted=grafted,
+            lookup_buckets=buckets,
             off_chain=host[:, n_out + 1 :].astype(bool),
         )
         drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]

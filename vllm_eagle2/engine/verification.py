@@ -104,6 +104,8 @@ class MatchedTrees:
     parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
     known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
     ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
+    grafted: [B, N] bool, known drafts that came from a lookup chain; lookup_buckets: [B] int64,
+        their chain's match-length bucket (-1 = none).
     off_chain: [B, N] bool on the host, the drafts off their stored tree's leading chain (all
         False where no tree is stored; drafts whose tokens do not match their tree are verified
         as a chain, for which a tree mask is exact too).
@@ -113,6 +115,8 @@ class MatchedTrees:
     known: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
+    grafted: torch.Tensor
+    lookup_buckets: torch.Tensor
     off_chain: np.ndarray
 
 
@@ -128,7 +132,10 @@ def _matched_trees(
     off_chain = np.zeros((batch, width), dtype=bool)
     if store is None or not req_ids:
         zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
-        return MatchedTrees(torch.where(valid, chain, -1), valid & False, zeros, zeros.float(), off_chain)
+        none = torch.full((batch,), -1, dtype=torch.long, device=device)
+        return MatchedTrees(
+            torch.where(valid, chain, -1), valid & False, zeros, zeros.float(), valid & False, none, off_chain
+        )
     if store.req_ids == req_ids:  # the usual case: the batch kept its order
         src_host = np.arange(batch)
     else:
@@ -156,6 +163,8 @@ def _matched_trees(
         known=known,
         ranks=stored(store.ranks, 0),
         scores=stored(store.scores, 0.0),
+        grafted=stored(store.grafted, False) & known,
+        lookup_buckets=torch.where(src >= 0, store.lookup_buckets[src.clamp(min=0)], -1),
         off_chain=off_chain,
     )
 
@@ -302,12 +311,15 @@ def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta:
         logprobs = LogprobsTensors(*logprobs[:3])
     if verify.branched:
         _move_accepted_path(runner, step, accepted, num_accepted)
+    trees = verify.trees
     budget = getattr(runner.drafter, "budget", None)
-    if budget is not None:
-        trees = verify.trees
+    if budget is not None:  # the head's calibration: its own nodes only
         budget.record_verification(
-            verify.parents, verify.depths, trees.ranks, trees.scores, trees.known, accepted
+            verify.parents, verify.depths, trees.ranks, trees.scores, trees.known & ~trees.grafted, accepted
         )
+    lookup = getattr(runner.drafter, "lookup", None)
+    if lookup is not None:
+        lookup.record(trees.grafted, trees.lookup_buckets, verify.parents, verify.depths, accepted)
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)
 
 

@@ -99,10 +99,10 @@ def patch_runner_forward() -> None:
 
     propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
 
-    def _propose_draft_token_ids(self, *args, **kwargs):
-        if _is_eagle2(self):
-            self.drafter.begin_step(self.input_batch.num_reqs)  # the target pass ends here
-        return propose_draft_token_ids(self, *args, **kwargs)
+    def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        if _is_eagle2(self):  # the target pass ends here
+            self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids)
+        return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
 
     set_attr(GPUModelRunner, "execute_model", _execute_model)
     set_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)

@@ -27,9 +27,14 @@ def budget_summary(worker: Any) -> dict[str, Any] | None:
 
 def verify_stats(worker: Any) -> dict[str, int] | None:
     """What the tree verification exercised, for ``LLM.collective_rpc("eagle2_stats")``:
-    :class:`vllm_eagle2.engine.verification.VerifyCounters`. None when the engine does not run eagle2."""
+    :class:`vllm_eagle2.engine.verification.VerifyCounters`, and with lookup chains
+    ``lookup_drafts`` / ``lookup_accepted`` (grafted drafts verified / accepted). None when the
+    engine does not run eagle2."""
     drafter = _drafter(worker)
-    return None if drafter is None else drafter.counters.summary()
+    if drafter is None:
+        return None
+    lookup = {} if drafter.lookup is None else drafter.lookup.summary()
+    return {**drafter.counters.summary(), **lookup}
 
 
 def patch_workers() -> None:

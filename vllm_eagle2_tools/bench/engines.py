@@ -26,6 +26,13 @@ def read_budget(llm: Any, run: Run) -> dict[str, Any] | None:
     return llm.collective_rpc("eagle2_budget_summary")[0]
 
 
+def read_lookup_accepted(llm: Any, run: Run) -> int:
+    """Accepted drafts that came from lookup chains so far (0 unless the run grafts them)."""
+    if not run.spec or not run.spec.get("lookup"):
+        return 0
+    return llm.collective_rpc("eagle2_stats")[0]["lookup_accepted"]
+
+
 def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the timed passes did: steps, steps without drafts, mean drafts per step, plans chosen (and how
     often the plan was recomputed)."""
@@ -125,7 +132,7 @@ def time_generation(llm: Any, run: Run, prompts: Prompts, args: argparse.Namespa
         )
         for n in output_lengths(len(prompts), args.max_tokens, args.range_ratio, args.seed)
     ]
-    b0 = read_budget(llm, run)
+    b0, l0 = read_budget(llm, run), read_lookup_accepted(llm, run)
     for _ in range(max(1, args.repeats)):
         cold_prefix_cache(llm)
         t1 = time.perf_counter()
@@ -134,6 +141,7 @@ def time_generation(llm: Any, run: Run, prompts: Prompts, args: argparse.Namespa
     run.seconds = min(run.seconds_all)
     d1, a1, p1 = spec_counters(llm)
     run.budget = budget_delta(b0, read_budget(llm, run))
+    run.lookup_accepted = read_lookup_accepted(llm, run) - l0
     run.tokens = [list(o.outputs[0].token_ids) for o in outputs]
     run.drafts, run.accepted = d1 - d0, a1 - a0
     p0 = p0 + [0.0] * (len(p1) - len(p0))

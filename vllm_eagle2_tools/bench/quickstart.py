@@ -46,6 +46,7 @@ KNOB_OPTIONS = {
     "tree": "tree",
     "draft_vocab": "draft_vocab_size",
     "budget": "budget",
+    "lookup": "lookup",
 }
 
 BUILTIN_PROMPTS = (

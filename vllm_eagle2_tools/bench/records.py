@@ -26,6 +26,7 @@ class Run:
     engine_start_seconds: float = 0.0
     drafts: float = 0.0
     accepted: float = 0.0
+    lookup_accepted: float = 0.0  # of ``accepted``, the drafts that came from lookup chains
     accepted_per_pos: list[float] = field(default_factory=list)
     budget: dict[str, Any] | None = None
     error: str | None = None
@@ -138,6 +139,8 @@ def summarize(runs: list[Run], bases: list[Run | None], greedy: bool) -> dict[st
         "drafts": total.drafts,
         "accepted": total.accepted,
         "tau": round(total.tau, 4) if total.tau is not None else None,
+        # tau's share from lookup chains: tau = 1 + (accepted - this) / drafts + this / drafts
+        "accepted_from_lookup": sum(r.lookup_accepted for r, _ in ok),
         "acceptance_per_pos": [round(x, 4) for x in total.acceptance_per_pos],
         "budget": _budget_sum([r.budget for r, _ in ok]),
         "error": next((r.error for r in runs if r.error), None),

@@ -1,0 +1,100 @@
+"""The lookup matcher: one request's longest repeated suffix and what followed it, kept incrementally
+in bounded memory (:class:`vllm_eagle2.lookup.SuffixIndex`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_eagle2.lookup import SuffixIndex
+
+
+def brute_force_match(text: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    """The longest suffix of ``text`` that ends earlier too, and what followed its first earlier end,
+    copied on token by token past the text's end (an overlapping copy)."""
+    n = len(text)
+    for length in range(n - 1, 0, -1):
+        suffix = text[n - length :]
+        for end in range(length - 1, n - 1):  # earliest earlier end first
+            if text[end - length + 1 : end + 1] == suffix:
+                copied = list(text)
+                for i in range(max_tokens):
+                    copied.append(copied[end + 1 + i])
+                return length, copied[n:]
+    return 0, []
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 8, 50])
+def test_every_match_equals_a_brute_force_search(alphabet):
+    rng = random.Random(alphabet)
+    for _ in range(20):
+        index, text = SuffixIndex(), []
+        for _ in range(rng.randint(1, 60)):
+            chunk = [rng.randrange(alphabet) for _ in range(rng.randint(1, 4))]  # a step's accepted tokens
+            index.extend(chunk)
+            text += chunk
+            assert index.match(5) == brute_force_match(text, 5), text
+
+
+def test_text_that_repeats_a_span_continues_it():
+    index = SuffixIndex()
+    index.extend([7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3])
+    assert index.match(3) == (3, [4, 5, 6])
+    assert SuffixIndex().match(3) == (0, [])
+
+
+def test_text_caught_in_a_loop_continues_the_loop():
+    index = SuffixIndex()
+    index.extend([5, 8, 1, 2, 3, 1, 2, 3, 1])
+    assert index.match(7) == (4, [2, 3, 1, 2, 3, 1, 2])
+    index.extend([4, 4, 4])
+    assert index.match(3) == (2, [4, 4, 4])
+
+
+def test_a_window_keeps_the_last_tokens_and_matches_within_them():
+    rng = random.Random(0)
+    index, text = SuffixIndex(window=16), []
+    for _ in range(200):
+        chunk = [rng.randrange(3) for _ in range(rng.randint(1, 3))]
+        index.extend(chunk)
+        text += chunk
+        kept = list(index.tokens)
+        assert 16 <= len(kept) <= 32 or len(text) < 16
+        assert kept == text[len(text) - len(kept) :]
+        assert index.match(4) == brute_force_match(kept, 4)
+
+
+@pytest.mark.parametrize("kind", ["random", "one token", "two tokens", "fibonacci"])
+def test_updates_take_time_linear_in_the_tokens_added(kind):
+    # Work counted in transitions set and suffix links followed (no timing): at most 4 per token.
+    n = 20_000
+    rng = random.Random(1)
+    if kind == "fibonacci":  # the classic worst case for suffix structures
+        a, b = [0], [0, 1]
+        while len(b) < n:
+            a, b = b, b + a
+        text = b[:n]
+    else:
+        text = {
+            "random": [rng.randrange(4) for _ in range(n)],
+            "one token": [5] * n,
+            "two tokens": [1, 2] * (n // 2),
+        }[kind]
+    index = SuffixIndex(window=n)
+    for i in range(0, n, 3):
+        index.extend(text[i : i + 3])
+    assert len(index) == n
+    assert index.steps <= 4 * n
+
+
+def test_memory_per_request_is_bounded_by_twice_the_window():
+    # Bound: at most 2 * window tokens and 2 * (2 * window) - 1 states, whatever the request's length.
+    window = 256
+    index = SuffixIndex(window=window)
+    rng = random.Random(2)
+    for _ in range(40 * window):
+        index.extend([rng.randrange(1000)])
+        assert len(index) <= 2 * window
+        assert index.num_states <= 2 * len(index)
+    assert index.steps <= 4 * 40 * window + 2 * 4 * 40 * window  # rebuilds: one window per window added

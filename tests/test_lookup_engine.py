@@ -1,0 +1,138 @@
+"""Lookup chains grafted into eagle2's trees inside vLLM (``speculative_config.lookup``): lossless,
+exercised, and accepted where the text repeats.
+
+The prompts repeat a random span and begin it once more; the tiny target's greedy continuations
+fall into loops of their own, which the requests' suffix indexes find as well. Every test checks
+that grafted drafts were verified and accepted (``lookup_drafts``, ``lookup_accepted``).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import acceptance_length, assert_trees_exercised, run_llm
+from test_engine_lossless import greedy, greedy_reference, tokens_of
+from test_sampling_lossless import NUM_SAMPLES, STEP_COSTS, _sharpen_the_verifier, homogeneity_pvalue
+
+from vllm_eagle2.budget.costs import COSTS_ENV
+from vllm_eagle2_tools.testing import build_eagle_head, build_pair
+
+TREE = dict(num_speculative_tokens=12, depth=4, topk=3)
+
+
+def repeating_prompts(num: int, seed: int) -> list[dict]:
+    """Prompts ``S S S[:k]``: a random span of 8-24 tokens twice, then its first k tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        span = [rng.randrange(6, 512) for _ in range(rng.randint(8, 24))]
+        prompts.append({"prompt_token_ids": span + span + span[: rng.randint(1, len(span) - 1)]})
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    return build_pair(tmp_path_factory.mktemp("lookup_models"), "partial", seed=0)
+
+
+@pytest.fixture(scope="module")
+def random_head(pair, tmp_path_factory) -> Path:
+    """A head that is rarely right: what is accepted comes from the lookup chains."""
+    return build_eagle_head(tmp_path_factory.mktemp("lookup_random") / "head", pair[0], kind="random")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[dict]:
+    return repeating_prompts(6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    return greedy_reference(pair[0], prompts)
+
+
+def eagle2(head: Path, **knobs) -> dict:
+    return {"method": "eagle2", "model": str(head), **TREE, **knobs}
+
+
+def assert_lookup_exercised(metrics: dict) -> None:
+    stats = metrics["eagle2"]
+    assert stats["lookup_drafts"] > 0 and stats["lookup_accepted"] > 0, stats
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_greedy_trees_with_lookup_chains_equal_no_speculation(pair, prompts, reference, mode):
+    target, head = pair
+    spec = eagle2(head, budget="fixed", lookup=8)
+    outputs, metrics = run_llm(target, spec, prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
+    assert_lookup_exercised(metrics)
+    assert_trees_exercised(metrics)
+
+
+def test_the_adaptive_budget_with_lookup_chains_equals_no_speculation(pair, prompts, reference, monkeypatch):
+    monkeypatch.setenv(COSTS_ENV, STEP_COSTS)  # costs under which a few nodes per request pay
+    target, head = pair
+    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert_lookup_exercised(metrics)
+
+
+def test_lookup_chains_raise_the_acceptance_length_where_text_repeats(pair, prompts, random_head, reference):
+    taus = {}
+    for lookup in (0, 8):
+        spec = eagle2(random_head, budget="fixed", lookup=lookup)
+        outputs, metrics = run_llm(pair[0], spec, prompts, greedy())
+        assert tokens_of(outputs) == reference()
+        taus[lookup] = acceptance_length(metrics)
+    # The outputs loop after about 20 plain tokens; a loop's steps then accept several tokens each.
+    assert taus[8] > taus[0] + 0.3, taus
+
+
+@pytest.fixture(scope="module")
+def loop_prompt(prompts, reference) -> list[dict]:
+    """A prompt that ends in the target's own greedy loop: lookup chains continue the loop, and the
+    target samples its next tokens from distributions that give them a fair chance."""
+    return [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + reference()[0]}]
+
+
+def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> np.ndarray:
+    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1; with ``spec``, lookup drafts accepted."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1000 + i)
+        for i in range(NUM_SAMPLES)
+    ]
+    outputs, metrics = run_llm(target, spec, prompt * NUM_SAMPLES, params, max_num_seqs=32)
+    if spec is not None:
+        assert_lookup_exercised(metrics)
+    return np.array(tokens_of(outputs))
+
+
+@pytest.fixture(scope="module")
+def plain_loop_samples(pair, loop_prompt) -> np.ndarray:
+    return loop_samples(pair[0], None, loop_prompt)
+
+
+def pvalues(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """Per sampled position 2..4 (1 comes from the prefill): chi-square p-values of homogeneity."""
+    return [homogeneity_pvalue(a[:, j], b[:, j]) for j in range(1, 4)]
+
+
+def test_sampled_tokens_with_lookup_chains_follow_the_target_distribution(
+    pair, loop_prompt, plain_loop_samples
+):
+    spec = eagle2(pair[1], budget="fixed", lookup=8)
+    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt))) > 1e-3
+
+
+def test_a_biased_verifier_fails_the_same_test_with_lookup_chains(
+    pair, loop_prompt, plain_loop_samples, monkeypatch
+):
+    _sharpen_the_verifier(monkeypatch)
+    spec = eagle2(pair[1], budget="fixed", lookup=8)
+    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt))) < 1e-4

@@ -1,0 +1,138 @@
+"""Lookup chains in the engine: each request's text indexed, its chain found, valued, and learned.
+
+Only with ``speculative_config.lookup`` > 0 (the chain length L). Per step:
+
+* :meth:`LookupDrafts.take_sampled` (before drafting): this step's sampled tokens, which vLLM
+  has on the device only until its bookkeeping, start their copy to the host.
+* :meth:`LookupDrafts.chains` (in ``propose``, after the catch-up pass is queued): each request's
+  :class:`~vllm_eagle2.lookup.SuffixIndex` takes its new tokens (the runner's host copy of its
+  text, then this step's), and gives the continuation of its longest repeated suffix. A chain's
+  value at position i is the summed log of the acceptance rate learned for chains of its match
+  length at positions 0..i: the tree (:mod:`vllm_eagle2.graft`) weighs it against the head's nodes.
+* :meth:`LookupDrafts.record` (in verification): per match-length bucket and chain position,
+  how often a grafted node was reached (its parent accepted) and accepted; discounted each step.
+
+The host part (indexes, matching) is a loop over the batch's requests, as vLLM's own n-gram
+drafter is: a request's text lives on the host. Everything after it is batched on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_eagle2.device import to_device
+from vllm_eagle2.graft import LookupChains
+from vllm_eagle2.lookup import SuffixIndex
+
+#: Chains are valued by the length of the match they continue: bucket i holds matches of at least
+#: ``MATCH_BUCKETS[i]`` tokens (and fewer than the next bound).
+MATCH_BUCKETS = (1, 2, 4, 8, 16)
+#: Before any verification a chain position of each bucket is assumed accepted (its parent accepted)
+#: at these rates, worth ``PRIOR_TRIALS`` trials: longer matches are likelier to go on.
+PRIOR_RATES = (0.3, 0.5, 0.7, 0.8, 0.9)
+PRIOR_TRIALS = 2.0
+#: Per verification, older counts are multiplied by this (a memory of about 50 steps).
+DISCOUNT = 0.98
+
+
+class LookupDrafts:
+    """The lookup chains of one engine's requests (L = ``length`` tokens each at most)."""
+
+    def __init__(self, length: int, device: torch.device) -> None:
+        self.length = length
+        self.device = device
+        self._indexes: dict[str, SuffixIndex] = {}
+        self._seen: dict[str, int] = {}  # tokens of each request's text its index has taken
+        self._sampled: torch.Tensor | None = None  # this step's sampled tokens, [B, W] host, -1 padded
+        self._event: torch.cuda.Event | None = None
+        # [2, buckets, L]: discounted trials and acceptances of grafted nodes.
+        self.stats = torch.zeros(2, len(MATCH_BUCKETS), length, device=device)
+        self._prior = torch.tensor(PRIOR_RATES, device=device).unsqueeze(1)  # [buckets, 1]
+        self.sent = torch.zeros((), dtype=torch.long, device=device)  # grafted drafts verified
+        self.accepted = torch.zeros((), dtype=torch.long, device=device)  # of them accepted
+
+    def forget(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self._indexes.pop(rid, None)
+            self._seen.pop(rid, None)
+
+    def take_sampled(self, sampled: Any) -> None:
+        """This step's sampled tokens: a device tensor [B, W] (-1 = none), whose host copy starts
+        now, or host lists that vLLM has already written into the runner's text (nothing to add)."""
+        self._sampled, self._event = None, None
+        if not isinstance(sampled, torch.Tensor):
+            return
+        if sampled.is_cuda:
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._sampled = host
+        else:
+            self._sampled = sampled
+
+    def chains(self, runner: Any, req_ids: list[str]) -> tuple[LookupChains, torch.Tensor]:
+        """Each request's chain and its match-length bucket ([B] int64 on the device)."""
+        batch = len(req_ids)
+        if self._event is not None:
+            self._event.synchronize()
+        sampled = self._sampled.numpy() if self._sampled is not None else None
+        discard = runner.discard_request_mask.np[:batch]
+        text, known = runner.input_batch.token_ids_cpu, runner.input_batch.num_tokens_no_spec
+        tokens = np.full((batch, self.length), -1, dtype=np.int64)
+        buckets = np.zeros(batch, dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            index, seen = self._indexes.get(rid), self._seen.get(rid, 0)
+            if index is None or seen > known[i]:  # new, or its text was rewound
+                index, seen = SuffixIndex(), 0
+                self._indexes[rid] = index
+            index.extend(text[i, seen : known[i]].tolist())
+            seen = int(known[i])
+            if sampled is not None and not discard[i]:
+                new = sampled[i][sampled[i] >= 0].tolist()
+                index.extend(new)
+                seen += len(new)
+            self._seen[rid] = seen
+            length, continuation = index.match(self.length)
+            tokens[i, : len(continuation)] = continuation
+            buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
+        tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
+        trials, accepted = self.stats
+        log_rate = torch.log((accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))
+        values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
+        values = torch.where((tokens_d >= 0) & (buckets_d >= 0).unsqueeze(1), values, float("-inf"))
+        return LookupChains(torch.where(values > float("-inf"), tokens_d, -1), values), buckets_d
+
+    def record(
+        self,
+        grafted: torch.Tensor,
+        buckets: torch.Tensor,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        accepted_nodes: torch.Tensor,
+    ) -> None:
+        """Learn from one verification (device only).
+
+        grafted: [B, N] bool, the verified drafts that came from lookup chains; buckets: [B]
+        int64 their chain's match-length bucket; parents / depths: [B, N] int64 of the verified
+        trees; accepted_nodes: [B, N] int64 the accepted path's node indices, -1 padded.
+        """
+        batch, n = parents.shape
+        accepted = torch.zeros(batch, n + 1, dtype=torch.bool, device=parents.device)
+        accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, n), True)
+        accepted = accepted[:, :n]
+        reached = torch.where(parents >= 0, accepted.gather(1, parents.clamp(min=0)), True) & grafted
+        cell = buckets.clamp(min=0).unsqueeze(1) * self.length + (depths - 1).clamp(0, self.length - 1)
+        self.stats.mul_(DISCOUNT)
+        trials, wins = self.stats.view(2, -1)
+        trials.index_add_(0, cell.flatten(), reached.flatten().float())
+        wins.index_add_(0, cell.flatten(), (accepted & grafted).flatten().float())
+        self.sent += grafted.sum()
+        self.accepted += (accepted & grafted).sum()
+
+    def summary(self) -> dict[str, int]:
+        """Grafted drafts verified and accepted (reads the device)."""
+        return {"lookup_drafts": int(self.sent.item()), "lookup_accepted": int(self.accepted.item())}
