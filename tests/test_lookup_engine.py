@@ -2,8 +2,9 @@
 exercised, and accepted where the text repeats.
 
 The prompts repeat a random span and begin it once more; the tiny target's greedy continuations
-fall into loops of their own, which the requests' suffix indexes find as well. Every test checks
-that grafted drafts were verified and accepted (``lookup_drafts``, ``lookup_accepted``).
+fall into loops of their own, which the requests' suffix indexes find as well. Every run with
+lookup chains checks that grafted drafts were verified and accepted (``lookup_drafts``,
+``lookup_accepted``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def test_lookup_chains_raise_the_acceptance_length_where_text_repeats(pair, prom
         outputs, metrics = run_llm(pair[0], spec, prompts, greedy())
         assert tokens_of(outputs) == reference()
         taus[lookup] = acceptance_length(metrics)
+        if lookup:
+            assert_lookup_exercised(metrics)
     # The outputs loop after about 20 plain tokens; a loop's steps then accept several tokens each.
     assert taus[8] > taus[0] + 0.3, taus
 
