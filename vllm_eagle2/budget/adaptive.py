@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from vllm_eagle2.budget.costs import Clock, CostCurve, ScaledCurve, calibrate_curves, fixed_costs, set_linear
 from vllm_eagle2.budget.decisions import (
@@ -40,6 +41,7 @@ from vllm_eagle2.budget.decisions import (
     step_cost,
 )
 from vllm_eagle2.device import to_device
+from vllm_eagle2.verify.paths import accepted_and_reached
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -265,11 +267,9 @@ class AdaptiveBudget:
         (drafts of this drafter, not padding); accepted_nodes: [B, N] int64, the accepted
         path's node indices, -1 padded.
         """
-        batch, n = parents.shape
-        accepted = torch.zeros(batch, n + 1, dtype=torch.bool, device=parents.device)
-        accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, n), True)
-        accepted = accepted[:, :n] & known
-        parent_ok = torch.where(parents >= 0, accepted.gather(1, parents.clamp(min=0)), True) & known
+        accepted, parent_ok = accepted_and_reached(parents, accepted_nodes)
+        # A known node's parent is known too (a lookup node never has a head node below it).
+        accepted, parent_ok = accepted & known, parent_ok & known
         depth0 = (depths - 1).clamp(0, self.depth - 1)
         cell = depth0 * self.stats.shape[1] + ranks.clamp(0, self.topk - 1)
         stats = self.stats.view(-1)
@@ -351,14 +351,10 @@ class AdaptiveBudget:
         return plan
 
     def allocate(
-        self,
-        plan: DraftPlan,
-        values: torch.Tensor,
-        depths: torch.Tensor,
-        allowed: torch.Tensor,
-        grafted: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`)."""
+        self, plan: DraftPlan, values: Tensor, depths: Tensor, allowed: Tensor, grafted: Tensor | None = None
+    ) -> Tensor:
+        """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`; ``grafted``:
+        [B, N] bool lookup nodes or None)."""
         batch, n = values.shape
         costs = self._costs()
         j = np.arange(batch * n + 1, dtype=np.float64)

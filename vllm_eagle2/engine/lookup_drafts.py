@@ -26,6 +26,7 @@ import torch
 from vllm_eagle2.device import to_device
 from vllm_eagle2.graft import LookupChains
 from vllm_eagle2.lookup import SuffixIndex
+from vllm_eagle2.verify.paths import accepted_and_reached
 
 #: Chains are valued by the length of the match they continue: bucket i holds matches of at least
 #: ``MATCH_BUCKETS[i]`` tokens (and fewer than the next bound).
@@ -120,11 +121,8 @@ class LookupDrafts:
         int64 their chain's match-length bucket; parents / depths: [B, N] int64 of the verified
         trees; accepted_nodes: [B, N] int64 the accepted path's node indices, -1 padded.
         """
-        batch, n = parents.shape
-        accepted = torch.zeros(batch, n + 1, dtype=torch.bool, device=parents.device)
-        accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, n), True)
-        accepted = accepted[:, :n]
-        reached = torch.where(parents >= 0, accepted.gather(1, parents.clamp(min=0)), True) & grafted
+        accepted, reached = accepted_and_reached(parents, accepted_nodes)
+        reached = reached & grafted
         cell = buckets.clamp(min=0).unsqueeze(1) * self.length + (depths - 1).clamp(0, self.length - 1)
         self.stats.mul_(DISCOUNT)
         trials, wins = self.stats.view(2, -1)
@@ -134,5 +132,5 @@ class LookupDrafts:
         self.accepted += (accepted & grafted).sum()
 
     def summary(self) -> dict[str, int]:
-        """Grafted drafts verified and accepted (reads the device)."""
+        """Grafted drafts verified and accepted (reads the device: an RPC's, never a step's)."""
         return {"lookup_drafts": int(self.sent.item()), "lookup_accepted": int(self.accepted.item())}

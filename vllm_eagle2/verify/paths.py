@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VerifyResult"]
+__all__ = ["VerifyResult", "accepted_and_reached"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,19 @@ def verify_result(
     """Put the final token [B] at position num_accepted of out [B, N + 1]."""
     out = out.scatter(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return VerifyResult(accepted_nodes=nodes, num_accepted=num_accepted, output_tokens=out)
+
+
+def accepted_and_reached(
+    parents: torch.Tensor, accepted_nodes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which nodes a verification accepted, and which it reached (their parent, or the root, accepted).
+
+    parents: [B, N] int64 of the verified trees (-1 = child of the root); accepted_nodes: [B, N]
+    int64, the accepted path's node indices, -1 padded. Returns two [B, N] bool tensors; no host reads.
+    """
+    batch, n = parents.shape
+    accepted = torch.zeros(batch, n + 1, dtype=torch.bool, device=parents.device)
+    accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, n), True)
+    accepted = accepted[:, :n]
+    reached = torch.where(parents >= 0, accepted.gather(1, parents.clamp(min=0)), True)
+    return accepted, reached
