@@ -10,7 +10,7 @@ import torch
 from test_tree import PathDraft
 
 from vllm_eagle2.graft import LookupChains
-from vllm_eagle2.tree import build_dynamic_tree, pool_size
+from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain, pool_size
 from vllm_eagle2.verify import verify_greedy
 
 VOCAB, DEPTH, TOPK, LENGTH = 12, 4, 3, 5
@@ -141,3 +141,20 @@ def test_a_grafted_tree_verifies_as_any_tree():
     result = verify_greedy(tree.tokens, tree.parents, logits)
     assert int(result.num_accepted[0]) == 3
     assert result.output_tokens[0, :4].tolist() == [7, 3, 3, 5]
+
+
+def test_a_chain_alone_is_a_tree_of_grafted_nodes_that_verifies_as_a_chain():
+    # A step whose head drafts nothing sends the chain alone (lookup_chain_tree).
+    chains = as_chains([[7, 3, 3, 9], [4, 2]], [[-0.1, -0.2, -0.3, -0.4], [-0.5, -0.6]])
+    tree = lookup_chain_tree(chains, 3)
+    assert tree.tokens.tolist() == [[7, 3, 3], [4, 2, -1]]
+    assert tree.parents.tolist() == [[-1, 0, 1]] * 2 and tree.depths.tolist() == [[1, 2, 3]] * 2
+    assert tree.grafted.tolist() == [[True] * 3, [True, True, False]]
+    assert tree.scores[1, 2] == float("-inf")
+    assert not off_leading_chain(tree.depths).any()  # no tree mask needed
+    logits = torch.zeros(2, 4, VOCAB)
+    logits[0, torch.arange(4), torch.tensor([7, 3, 8, 1])] = 1.0  # accepts 7 3, then says 8
+    logits[1, torch.arange(4), torch.tensor([4, 2, 6, 1])] = 1.0  # accepts 4 2, then says 6
+    result = verify_greedy(tree.tokens, tree.parents, logits)
+    assert result.num_accepted.tolist() == [2, 2]
+    assert result.output_tokens[:, :3].tolist() == [[7, 3, 8], [4, 2, 6]]

@@ -82,6 +82,22 @@ def test_the_adaptive_budget_with_lookup_chains_equals_no_speculation(pair, prom
     assert_lookup_exercised(metrics)
 
 
+#: Head levels cost a second each, verified tokens next to nothing: the budget plans no head drafts.
+HEAD_NEVER_PAYS = '{"target": [0.02, 0.0001], "level": [1.0, 0.0], "overhead": 0.002}'
+
+
+def test_steps_whose_head_drafts_nothing_still_send_lookup_chains(pair, prompts, reference, monkeypatch):
+    monkeypatch.setenv(COSTS_ENV, HEAD_NEVER_PAYS)
+    target, head = pair
+    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert_lookup_exercised(metrics)
+    stats = metrics["eagle2"]
+    # Every draft verified came from a lookup chain, sent as a chain (no tree mask needed).
+    assert stats["lookup_drafts"] == metrics["vllm:spec_decode_num_draft_tokens"], stats
+    assert stats["tree_rows"] == 0, stats
+
+
 def test_lookup_chains_raise_the_acceptance_length_where_text_repeats(pair, prompts, random_head, reference):
     taus = {}
     for lookup in (0, 8):

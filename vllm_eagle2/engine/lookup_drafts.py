@@ -75,8 +75,9 @@ class LookupDrafts:
         else:
             self._sampled = sampled
 
-    def chains(self, runner: Any, req_ids: list[str]) -> tuple[LookupChains, torch.Tensor]:
-        """Each request's chain and its match-length bucket ([B] int64 on the device)."""
+    def chains(self, runner: Any, req_ids: list[str]) -> tuple[LookupChains | None, torch.Tensor]:
+        """Each request's chain and its match-length bucket ([B] int64 on the device, -1 = none);
+        None for the chains when no request has one."""
         batch = len(req_ids)
         if self._event is not None:
             self._event.synchronize()
@@ -85,6 +86,7 @@ class LookupDrafts:
         text, known = runner.input_batch.token_ids_cpu, runner.input_batch.num_tokens_no_spec
         tokens = np.full((batch, self.length), -1, dtype=np.int64)
         buckets = np.zeros(batch, dtype=np.int64)
+        found = np.zeros(batch, dtype=bool)
         for i, rid in enumerate(req_ids):
             index, seen = self._indexes.get(rid), self._seen.get(rid, 0)
             if index is None or seen > known[i]:  # new, or its text was rewound
@@ -99,7 +101,11 @@ class LookupDrafts:
             self._seen[rid] = seen
             length, continuation = index.match(self.length)
             tokens[i, : len(continuation)] = continuation
+            found[i] = len(continuation) > 0
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
+        if not found.any():
+            return None, to_device(np.full(batch, -1, dtype=np.int64), self.device)
+        buckets[~found] = -1
         tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
         trials, accepted = self.stats
         log_rate = torch.log((accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))

@@ -17,6 +17,8 @@ With the adaptive budget (the default) the settings are upper bounds: before ste
 :class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
 at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
 to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
+With ``lookup`` chains a step without head drafts may still send them, as chains, where the
+allocation finds their verification pays: they cost no head pass.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.lookup_drafts import LookupDrafts
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
+from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -272,36 +274,43 @@ class Eagle2Proposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
-        if catch_up_only:
+        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
+        chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=last_hidden.device)
+        # A step the budget keeps without head drafts may still send lookup chains: they cost
+        # no head pass, only their verification, which the allocation prices.
+        if self.lookup is not None and req_ids and num_speculative_tokens > 0:
+            chains, buckets = self.lookup.chains(self.runner, req_ids)
+        if catch_up_only and chains is None:
             self.proposed = None
             if budget is not None:
                 budget.count_step(plan, [0] * batch)
             return [[] for _ in range(batch)]
-        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
 
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
-        root_logits = self._draft_logits(last_hidden[sample_idx])
-        expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
-        chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=root_pos.device)
-        if self.lookup is not None and req_ids:
-            chains, buckets = self.lookup.chains(self.runner, req_ids)
-        tree = build_dynamic_tree(
-            root_logits,
-            expander,
-            depth=plan.depth,
-            topk=plan.topk,
-            num_nodes=plan.num_nodes,
-            mode=self.settings.tree,
-            token_ids=self._token_ids,
-            lookup=chains,
-        )
+        if catch_up_only:
+            tree = lookup_chain_tree(chains, num_speculative_tokens)
+            fits = root_pos + 1 + tree.num_nodes <= self.max_model_len
+        else:
+            root_logits = self._draft_logits(last_hidden[sample_idx])
+            expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
+            tree = build_dynamic_tree(
+                root_logits,
+                expander,
+                depth=plan.depth,
+                topk=plan.topk,
+                num_nodes=plan.num_nodes,
+                mode=self.settings.tree,
+                token_ids=self._token_ids,
+                lookup=chains,
+            )
+            fits = expander.fits
         tokens = tree.tokens
         grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
         n_out = min(num_speculative_tokens, tree.num_nodes)
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
-        allowed = expander.fits & to_device(eligible, expander.fits.device)
+        allowed = fits & to_device(eligible, fits.device)
         if budget is None:
             counts = allowed.long() * n_out
         else:
