@@ -54,6 +54,10 @@ def _depths(n: int) -> Callable[[dict[str, Any]], str]:
 ROW_FIELDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "tau": lambda row: f"{row['tau']:.2f}",
     "tps": lambda row: f"{row['tokens_per_s']:.1f}",
+    # tau's parts: 1 + accepted from the head's nodes / drafting steps + accepted from lookup chains / same
+    "tau_head": lambda row: f"{(row['accepted'] - row['accepted_from_lookup']) / row['drafts']:.2f}",
+    "tau_lookup": lambda row: f"{row['accepted_from_lookup'] / row['drafts']:.2f}",
+    "dps": lambda row: f"{row['budget']['mean_drafts_per_step']:.1f}",
     "x": speedup_text,  # with the range over rounds when there were several
     "skip": lambda row: f"{row['budget']['steps_without_drafts'] / row['budget']['steps']:.0%}",
     "acc1": _depths(1),

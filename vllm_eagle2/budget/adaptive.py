@@ -120,6 +120,7 @@ class AdaptiveBudget:
         self._step = 0
         self._step_verifies = False  # this step verifies the drafts of the step before
         self._step_drafted = False  # this step sent drafts
+        self._lookup_only = False  # ... lookup chains only (no head drafts)
         self._step_host: float | None = None
         self._step_end: float | None = None
         self._step_mark: Any = None
@@ -175,7 +176,8 @@ class AdaptiveBudget:
         """
         end = self._step_end if self._step_end is not None and self._step_end >= self._step_host else now
         other = max(end - self._step_host - self._step_target - self._step_draft, 0.0)
-        if not self._step_prompt:
+        # A step that sent lookup chains alone built no tree: its overhead is not the head's.
+        if not self._step_prompt and not self._lookup_only:
             if self._step_verifies or self._step_drafted:
                 # Tree bookkeeping, the allocation and the drafts' transfer: a drafting step's own.
                 other /= self.drafting_speed
@@ -378,6 +380,7 @@ class AdaptiveBudget:
             else:
                 self._sent[len(counts)] = sent + SENT_RECOVERY * (self.max_nodes - sent)
         self._step_drafted = total > 0
+        self._lookup_only = total > 0 and not plan.drafts
         # Once per step: the device table and its host copy forget alike (the copy, if one landed
         # this step, was taken before this).
         self.stats.mul_(DISCOUNT)

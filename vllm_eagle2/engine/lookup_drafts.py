@@ -35,6 +35,10 @@ MATCH_BUCKETS = (1, 2, 4, 8, 16)
 #: at these rates, worth ``PRIOR_TRIALS`` trials: longer matches are likelier to go on.
 PRIOR_RATES = (0.3, 0.5, 0.7, 0.8, 0.9)
 PRIOR_TRIALS = 2.0
+#: A step whose head drafts nothing sends only chains of this bucket or above (matches of 8+
+#: tokens). Measured on MT-bench at batch 16 with every chain allowed (matches there are mostly
+#: 1-3 tokens): 0.85x no speculation against 0.94x without lookup chains.
+ALONE_MIN_BUCKET = 3
 #: Per verification, older counts are multiplied by this (a memory of about 50 steps).
 DISCOUNT = 0.98
 
@@ -75,9 +79,12 @@ class LookupDrafts:
         else:
             self._sampled = sampled
 
-    def chains(self, runner: Any, req_ids: list[str]) -> tuple[LookupChains | None, torch.Tensor]:
+    def chains(
+        self, runner: Any, req_ids: list[str], min_bucket: int = 0
+    ) -> tuple[LookupChains | None, torch.Tensor]:
         """Each request's chain and its match-length bucket ([B] int64 on the device, -1 = none);
-        None for the chains when no request has one."""
+        None for the chains when no request has one. Chains of a bucket below ``min_bucket`` are
+        dropped (the requests' indexes still take every token)."""
         batch = len(req_ids)
         if self._event is not None:
             self._event.synchronize()
@@ -101,11 +108,12 @@ class LookupDrafts:
             self._seen[rid] = seen
             length, continuation = index.match(self.length)
             tokens[i, : len(continuation)] = continuation
-            found[i] = len(continuation) > 0
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
+            found[i] = len(continuation) > 0 and buckets[i] >= min_bucket
         if not found.any():
             return None, to_device(np.full(batch, -1, dtype=np.int64), self.device)
         buckets[~found] = -1
+        tokens[~found] = -1
         tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
         trials, accepted = self.stats
         log_rate = torch.log((accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))

@@ -40,7 +40,7 @@ from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
-from vllm_eagle2.engine.lookup_drafts import LookupDrafts
+from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, LookupDrafts
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain
@@ -276,10 +276,11 @@ class Eagle2Proposer(EagleProposer):
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
         req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
         chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=last_hidden.device)
-        # A step the budget keeps without head drafts may still send lookup chains: they cost
-        # no head pass, only their verification, which the allocation prices.
+        # A step the budget keeps without head drafts may still send long matches' chains: they
+        # cost no head pass, only their verification, which the allocation prices.
         if self.lookup is not None and req_ids and num_speculative_tokens > 0:
-            chains, buckets = self.lookup.chains(self.runner, req_ids)
+            min_bucket = ALONE_MIN_BUCKET if catch_up_only else 0
+            chains, buckets = self.lookup.chains(self.runner, req_ids, min_bucket)
         if catch_up_only and chains is None:
             self.proposed = None
             if budget is not None:
