@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     knobs.add_argument("--tree", default=None, choices=list(TREE_CHOICES), help="tree mode (default dynamic)")
     knobs.add_argument("--budget", default=None, choices=["adaptive", "fixed"], help="default adaptive")
     knobs.add_argument(
-        "--lookup", type=int, default=None, help="lookup chain length (default 0: no lookup chains)"
+        "--lookup", type=int, default=None, help="lookup chain length (default 8; 0: no lookup chains)"
     )
     knobs.add_argument(
         "--draft-vocab", type=int, default=None, help="draft_vocab_size (0 = the whole vocabulary)"

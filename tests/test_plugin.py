@@ -328,7 +328,13 @@ def test_config_carries_the_tree_settings(config):
     settings = config.speculative_config.eagle2
     assert (settings.num_nodes, settings.depth, settings.topk, settings.tree) == (12, 4, 3, "dynamic")
     assert config.speculative_config.num_speculative_tokens == 12
-    assert settings.lookup == 0  # lookup chains are off unless asked for
+    assert settings.lookup == 8  # lookup chains are on by default in dynamic trees
+
+
+@pytest.mark.parametrize("tree", ["static", "chain"])
+def test_lookup_chains_are_off_by_default_in_trees_they_cannot_graft_into(models, tree):
+    config = engine_config(models["target"], eagle2(models["head"], **KNOBS, tree=tree))
+    assert config.speculative_config.eagle2.lookup == 0
 
 
 def test_the_budget_is_adaptive_by_default(config, models):

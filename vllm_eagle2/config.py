@@ -2,7 +2,7 @@
 
 Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m, "depth": 6,
 "topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto",
-"lookup": 0}``. vLLM's own config class rejects unknown keys, so the plugin pops the eagle2 keys
+"lookup": 8}``. vLLM's own config class rejects unknown keys, so the plugin pops the eagle2 keys
 here, validates everything that can be checked without weights, and hands the rest to vLLM.
 """
 
@@ -34,7 +34,8 @@ DEFAULT_BUDGET = "adaptive"
 AUTO = "auto"
 #: ``lookup: L`` grafts into every tree a chain of up to L tokens that continues the longest
 #: repeated suffix of the request's own text (:mod:`vllm_eagle2.engine.lookup_drafts`); 0 = off.
-DEFAULT_LOOKUP = 0
+#: On by default in ``dynamic`` trees (the only ones it grafts into), 0 in the others.
+DEFAULT_LOOKUP = 8
 MAX_LOOKUP = 64
 EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size", "lookup")
 
@@ -123,7 +124,8 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
             f"speculative_config.draft_vocab_size must be 0 (the whole vocabulary) or >= topk ({topk}); "
             f"got {draft_vocab_size}"
         )
-    lookup = _int_field("lookup", spec.get("lookup", DEFAULT_LOOKUP), 0, MAX_LOOKUP)
+    default_lookup = DEFAULT_LOOKUP if tree == "dynamic" else 0
+    lookup = _int_field("lookup", spec.get("lookup", default_lookup), 0, MAX_LOOKUP)
     if lookup and tree != "dynamic":
         raise Eagle2ConfigError(
             f"speculative_config.lookup must be 0 with tree {tree!r} (lookup chains are grafted into "

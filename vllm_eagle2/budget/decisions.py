@@ -250,7 +250,7 @@ def draft_seconds(plan: DraftPlan, batch: int, level: Cost) -> float:
     """Predicted seconds of drafting ``plan`` for ``batch`` requests: the root level (with the
     catch-up pass) over ``batch`` rows and ``depth - 1`` expansions over ``batch * topk``.
 
-    None for :data:`NO_DRAFTS` (a step that sends lookup chains only): its catch-up pass is
+    Zero for :data:`NO_DRAFTS` (a step that sends lookup chains only): its catch-up pass is
     paid by a step without drafts too, so it lies in both kinds of step's overhead."""
     if not plan.drafts:
         return 0.0

@@ -15,8 +15,8 @@ The same prompts go through, one engine after another (each shut down before the
   ``--tiny`` a tiny one is built) in vLLM's ``eagle3`` chain for every ``--eagle-k`` (the fastest shown), and
   in eagle2's dynamic trees (``--num-speculative-tokens``, ``--depth``, ``--topk``, ``--budget``);
 * ``defaults``: eagle2 with only ``method`` and ``model`` set, as a new user turns it on;
-* ``lookup`` (only when named): the defaults plus ``lookup: --lookup`` (chains from the request's own
-  text grafted into every tree);
+* ``lookup`` (only when named): the defaults with ``lookup: --lookup`` (chains from the request's own
+  text grafted into every tree; on by default, so ``--lookup 0`` measures the defaults without them);
 * ``never``: eagle2's adaptive budget held at "no drafts" (by step costs that make every draft
   a loss): what a step that decides not to draft costs against ``nospec``;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
@@ -167,7 +167,10 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
         "whole vocabulary)",
     )
     p.add_argument(
-        "--lookup", type=int, default=8, help="eagle2 lookup chain length of the lookup mode (default 8)"
+        "--lookup",
+        type=int,
+        default=8,
+        help="eagle2 lookup chain length of the lookup mode (default 8; 0: the defaults without lookup)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -220,7 +220,8 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             plan.append(eagle2_run(mode, head, bs, m, d, k))
         elif mode == "lookup":
             spec = {"method": "eagle2", "model": str(head), "lookup": args.lookup}
-            plan.append(Run("lookup", f"eagle2 defaults + lookup {args.lookup}", bs, spec))
+            label = f"eagle2 defaults + lookup {args.lookup}" if args.lookup else "eagle2 defaults, no lookup"
+            plan.append(Run("lookup", label, bs, spec))
         else:
             budgets = BUDGETS if args.budget == "both" else [args.budget]
             plan += [eagle2_run(mode, head, bs, m, d, k, args.draft_vocab, b) for b in budgets]
