@@ -98,8 +98,9 @@ CHAIN4 = dict(num_speculative_tokens=4, depth=4, topk=3, tree="chain")
 
 
 def eagle2(head: Path, **knobs) -> dict:
-    """The fixed tree unless ``budget`` is given: these tests pin the trees they check."""
-    return {"method": "eagle2", "model": str(head), "budget": "fixed", **knobs}
+    """The head's fixed tree unless ``budget`` or ``lookup`` is given: these tests pin the trees they
+    check (lookup chains, on by default, have their own tests in ``test_lookup_engine.py``)."""
+    return {"method": "eagle2", "model": str(head), "budget": "fixed", "lookup": 0, **knobs}
 
 
 M12 = dict(num_speculative_tokens=12, depth=4, topk=3)
