@@ -27,10 +27,11 @@ def read_budget(llm: Any, run: Run) -> dict[str, Any] | None:
 
 
 def read_lookup_accepted(llm: Any, run: Run) -> int:
-    """Accepted drafts that came from lookup chains so far (0 unless the run grafts them)."""
-    if not run.spec or not run.spec.get("lookup"):
+    """Accepted drafts that came from lookup chains so far (0 unless the run grafts them: an eagle2
+    run with ``lookup`` unset or above 0, as they are on by default)."""
+    if not run.spec or run.spec.get("method") != "eagle2" or run.spec.get("lookup") == 0:
         return 0
-    return llm.collective_rpc("eagle2_stats")[0]["lookup_accepted"]
+    return llm.collective_rpc("eagle2_stats")[0].get("lookup_accepted", 0)
 
 
 def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
