@@ -19,10 +19,21 @@ reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["GraftedPool", "LookupChains", "graft_chains", "keep_best_grafted", "positions_in"]
+if TYPE_CHECKING:
+    from vllm_eagle2.tree import DraftTree
+
+__all__ = [
+    "GraftedPool",
+    "LookupChains",
+    "graft_chains",
+    "keep_best_grafted",
+    "lookup_chain_tree",
+    "positions_in",
+]
 
 
 @dataclass(frozen=True)
@@ -148,3 +159,25 @@ def positions_in(kept: torch.Tensor, parent1: torch.Tensor, pool: int) -> torch.
     position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=kept.device)
     position1.scatter_(1, kept + 1, torch.arange(num_nodes, device=kept.device).expand(batch, num_nodes))
     return position1.gather(1, parent1)
+
+
+def lookup_chain_tree(chains: LookupChains, num_nodes: int) -> DraftTree:
+    """The first ``num_nodes`` nodes of each request's lookup chain alone, as a tree.
+
+    For a step whose head drafts nothing: a chain is a tree of width 1 whose nodes are all
+    grafted, valued by the chain (its estimated log-probability of acceptance; -inf past its end,
+    where the token is -1).
+    """
+    from vllm_eagle2.tree import DraftTree  # tree.py grafts chains with this module: imported late
+
+    tokens = chains.tokens[:, :num_nodes]
+    batch, n = tokens.shape
+    col = torch.arange(n, device=tokens.device).expand(batch, n)
+    return DraftTree(
+        tokens=tokens,
+        parents=col - 1,
+        depths=col + 1,
+        ranks=torch.zeros_like(tokens),
+        scores=chains.values[:, :num_nodes].float(),
+        grafted=tokens >= 0,
+    )

@@ -93,26 +93,6 @@ class DraftTree:
         return self.tokens.shape[1]
 
 
-def lookup_chain_tree(chains: LookupChains, num_nodes: int) -> DraftTree:
-    """The first ``num_nodes`` nodes of each request's lookup chain alone, as a tree.
-
-    For a step whose head drafts nothing: a chain is a tree of width 1 whose nodes are all
-    grafted, valued by the chain (its estimated log-probability of acceptance; -inf past its end,
-    where the token is -1).
-    """
-    tokens = chains.tokens[:, :num_nodes]
-    batch, n = tokens.shape
-    col = torch.arange(n, device=tokens.device).expand(batch, n)
-    return DraftTree(
-        tokens=tokens,
-        parents=col - 1,
-        depths=col + 1,
-        ranks=torch.zeros_like(tokens),
-        scores=chains.values[:, :num_nodes].float(),
-        grafted=tokens >= 0,
-    )
-
-
 def off_leading_chain(depths: torch.Tensor) -> torch.Tensor:
     """[B, N] bool: the nodes off each tree's leading chain.
 

@@ -1,16 +1,12 @@
 """The adaptive tree budget of one engine: measurements in, :mod:`vllm_eagle2.budget.decisions` decisions out.
 
-* **Costs.** At engine start :meth:`AdaptiveBudget.calibrate` times the target and one draft
-  level (:mod:`vllm_eagle2.budget.costs`); while serving, every step's target pass, each draft level
-  and the rest of the step are timed and refine the curves. A step that verifies drafts
-  is priced apart from one that does not (its own target curve, ``verify``, and its own
-  overhead): verification, the tree bookkeeping and the allocation cost more than a plain
-  pass over as many tokens, and a model that prices both alike keeps drafting at a loss. On
-  CUDA the timings are events, read once the step's one host sync has completed them.
+* **Costs.** :meth:`AdaptiveBudget.calibrate` times the target and one draft level at engine start
+  (:mod:`vllm_eagle2.budget.costs`); every step's passes and the rest of it then refine the curves. A
+  step that verifies drafts is priced apart (its own ``verify`` curve and overhead): priced alike with
+  a plain pass, drafting went on at a loss. On CUDA the timings are events, read after the step's sync.
 * **Acceptance.** The verifier adds each step's outcome to a small device table
-  (:meth:`record_verification`): per depth and sibling rank, trials and acceptances; per
-  depth, accepted nodes and the summed exp(path value) of the verified ones. It is copied to
-  the host with the drafter's own transfer, never with a sync of its own.
+  (:meth:`record_verification`): per depth and sibling rank, trials and acceptances; per depth, accepted
+  nodes and the summed exp(path value) of the verified ones; copied with the drafter's own transfer.
 * **Decisions.** :meth:`plan` (host, before drafting) and :meth:`allocate` (device, after).
 
 ``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.budget.costs.COSTS_ENV`) replaces the measured costs by
@@ -53,14 +49,14 @@ DISCOUNT = 0.98
 #: price of the cached plan (or of not drafting) has moved by more than ``REPLAN_DRIFT``.
 REPLAN_STEPS = 16
 REPLAN_DRIFT = 0.15
-#: Per step, the overheads move this far towards the measured one. The time between two steps
-#: rises by at most this share of itself per step: it includes the engine's idle time.
+#: Per step, the overheads move this far towards the measured one. The time between two steps rises by
+#: at most this share of itself per step: it includes the engine's idle time.
 OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
-# Drafts per request the allocation sends, per batch size: an average at SENT_RATE per drafting
-# step (of one more where it sent all planned). A step without drafts moves it SENT_RECOVERY back
-# to the upper bound, so drafting is tried again within a replan or two (it once took 64 steps).
+# Drafts per request the allocation sends, per batch size: an average at SENT_RATE per drafting step (of
+# one more where it sent all planned). A step without drafts moves it SENT_RECOVERY back to the upper
+# bound, so drafting is tried again within a replan or two (it once took 64 steps).
 SENT_RATE = 0.2
 SENT_RECOVERY = 0.05
 LOG_INTERVAL_S = 10.0
@@ -120,7 +116,7 @@ class AdaptiveBudget:
         self._step = 0
         self._step_verifies = False  # this step verifies the drafts of the step before
         self._step_drafted = False  # this step sent drafts
-        self._lookup_only = False  # ... lookup chains only (no head drafts)
+        self._lookup_only = False  # ... and they were lookup chains alone (no head drafts)
         self._step_host: float | None = None
         self._step_end: float | None = None
         self._step_mark: Any = None

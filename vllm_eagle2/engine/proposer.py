@@ -42,8 +42,9 @@ from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_draf
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, LookupDrafts
 from vllm_eagle2.engine.verification import VerifyCounters
+from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain
+from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
