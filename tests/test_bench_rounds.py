@@ -97,15 +97,14 @@ def test_rounds_alternate_the_order_of_the_engines(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(engines, "run_engine", fake_run_engine)
     monkeypatch.setattr(engines, "plan_runs", _three_modes)
-    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=False), None, [], [1])
+    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=False), None, {"mtbench": []}, [1])
     assert order == ALTERNATING
     assert len({id(r) for r in runs}) == 9  # a fresh run per round: no shared token lists
 
 
-@pytest.fixture
-def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
-    """``--interleave --rounds 3`` over three fake engines, the second of which fails to start:
-    (events in order, the runs returned)."""
+def _interleave(monkeypatch: pytest.MonkeyPatch, datasets: tuple[str, ...]) -> tuple[list, list[Run]]:
+    """``--interleave --rounds 3`` over three fake engines, the second of which fails to start, timing
+    each of ``datasets``: (events in order, the runs returned)."""
     events: list[tuple] = []
 
     def start_engine(run: Run, target, prompts, args) -> str:
@@ -115,6 +114,7 @@ def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
         return f"llm-{run.mode}"
 
     def time_generation(llm: str, run: Run, prompts, args) -> Run:
+        assert prompts == [run.dataset]
         events.append(("pass", run.round, run.mode, llm, metrics[0]))
         run.tokens.append([run.round])
         return run
@@ -127,8 +127,14 @@ def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
     metrics = [None]
     monkeypatch.setattr(engines, "own_metrics", lambda: f"metrics-{events[-1][1]}")
     monkeypatch.setattr(engines, "use_metrics", lambda m: metrics.__setitem__(0, m))
-    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=True), None, [], [1])
+    sets = {name: [name] for name in datasets}
+    runs = engines.run_all(argparse.Namespace(rounds=3, interleave=True), None, sets, [1])
     return events, runs
+
+
+@pytest.fixture
+def interleaved(monkeypatch: pytest.MonkeyPatch) -> tuple[list, list[Run]]:
+    return _interleave(monkeypatch, ("mtbench",))
 
 
 def test_interleave_starts_each_engine_once_and_alternates_their_passes_on_their_own_counters(
@@ -158,6 +164,20 @@ def test_interleave_gives_every_pass_a_fresh_run_and_fails_an_unstarted_engine_i
     assert all(r.tokens == [[r.round]] for r in runs if r.mode != "eagle")  # no token list shared
     assert {r.error for r in runs if r.mode == "eagle"} == {"RuntimeError: no memory left"}
     assert all(r.error is None for r in runs if r.mode != "eagle")
+
+
+def test_several_data_sets_share_the_engines_each_round_timing_every_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events, runs = _interleave(monkeypatch, ("sharegpt-qa", "sharegpt-rewrite"))
+    assert [e[1] for e in events if e[0] == "start"] == ["nospec", "eagle", "defaults"]  # once each
+    timed = [(r.round, r.dataset, r.mode) for r in runs if r.mode != "eagle"]
+    assert timed == [
+        (round_, name, mode)
+        for round_ in range(3)
+        for name in ("sharegpt-qa", "sharegpt-rewrite")
+        for mode in (("nospec", "defaults") if round_ % 2 == 0 else ("defaults", "nospec"))
+    ]
 
 
 def test_an_engines_own_metrics_come_back_after_a_later_engine_unregistered_them() -> None:
@@ -206,3 +226,44 @@ def test_budget_counters_add_up_over_rounds() -> None:
     assert (budget["steps"], budget["steps_without_drafts"], budget["replans"]) == (15, 7, 1)
     assert budget["drafts_per_step"] == {"0": 7, "3": 8}
     assert budget["mean_drafts_per_step"] == pytest.approx(24 / 15)
+
+
+def test_each_data_set_gets_its_own_record_named_after_it(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``--dataset a,b``: one timed run list, split into ``FILE-a.json`` and ``FILE-b.json``."""
+    import json
+
+    from vllm_eagle2_tools.bench import cli
+    from vllm_eagle2_tools.bench.config import Target
+
+    def run_all(args, target, prompt_sets, batch_sizes) -> list[Run]:
+        runs = []
+        for name in prompt_sets:
+            for mode, seconds in (("nospec", 10.0), ("defaults", 8.0 if name == "sharegpt-qa" else 5.0)):
+                runs.append(_run(mode, 0, seconds, drafts=4, accepted=2))
+                runs[-1].dataset = name
+        return runs
+
+    target = Target(tmp_path, tmp_path, "float32", (4, 2, 2), "pair")
+    monkeypatch.setattr(cli, "prepare_env", lambda **kw: None)
+    monkeypatch.setattr(cli, "resolve_target", lambda args: target)
+    monkeypatch.setattr(cli, "load_prompts", lambda name, model, num, chat: [{"prompt_token_ids": [1, 2]}])
+    monkeypatch.setattr(cli, "run_all", run_all)
+    out = tmp_path / "copy.json"
+    argv = ["--dataset", "sharegpt-qa,sharegpt-rewrite", "--batch-size", "4", "--output", str(out)]
+    assert cli.main(argv) == 0
+    speedups = {}
+    for name in ("sharegpt-qa", "sharegpt-rewrite"):
+        record = json.loads((tmp_path / f"copy-{name}.json").read_text())
+        assert record["setup"]["dataset"] == name and record["setup"]["description"] == f"pair, {name}"
+        speedups[name] = record["main_rows"][1]["speedup"]
+    assert speedups == {"sharegpt-qa": 1.25, "sharegpt-rewrite": 2.0}
+    assert not out.exists()
+
+
+def test_an_unknown_data_set_is_refused_naming_the_choices(capsys: pytest.CaptureFixture) -> None:
+    from vllm_eagle2_tools.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dataset", "mtbench,sharegpt-qq"])
+    err = capsys.readouterr().err
+    assert "sharegpt-qq" in err and "sharegpt-rewrite" in err

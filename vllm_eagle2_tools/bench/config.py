@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vllm_eagle2_tools.bench.records import Run
 from vllm_eagle2_tools.cpu_env import SCRATCH
+from vllm_eagle2_tools.datasets import DATASETS
 from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 
 # eagle2's tree modes: vllm_eagle2.tree.TREE_MODES in plot order (not imported, so --help needs no torch)
@@ -45,6 +46,15 @@ REAL_TREE = (16, 5, 4)
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _dataset_list(text: str) -> list[str]:
+    """``--dataset``: ``"sharegpt-qa,sharegpt-rewrite"`` -> ["sharegpt-qa", "sharegpt-rewrite"]."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in DATASETS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"unknown data sets {bad}; choose from {', '.join(DATASETS)}")
+    return names
 
 
 def draft_vocab_arg(text: str) -> int | str:
@@ -92,12 +102,6 @@ class Target:
     eagle3_head: Path | None = None
 
 
-def _prompt_source(args: argparse.Namespace) -> str:
-    """The prompts' name: the data set, or the user's file."""
-    prompts = getattr(args, "prompts", None)
-    return args.dataset if prompts is None else f"prompts from {prompts}"
-
-
 def resolve_target(args: argparse.Namespace) -> Target:
     """``--tiny``: build the seeded tiny pair (float32); else check ``--model`` / ``--head`` (bfloat16).
 
@@ -113,7 +117,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             eagle3_head = build_eagle3_head(root / "eagle3-head", model, draft_vocab_size=400, seed=args.seed)
         dtype = args.dtype or "float32"
         m, d, k = TINY_TREE
-        description = f"tiny seeded pair (build_pair 'partial', seed {args.seed}), {_prompt_source(args)}"
+        description = f"tiny seeded pair (build_pair 'partial', seed {args.seed})"
     else:
         model = (args.model or DEFAULT_TARGET).resolve()
         head = (args.head or DEFAULT_HEAD).resolve()
@@ -124,7 +128,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             raise SystemExit(f"error: modes {', '.join(EAGLE3_MODES)} need --eagle3-head")
         dtype = args.dtype or "bfloat16"
         m, d, k = REAL_TREE
-        description = f"{model.name} + {head.name}, {_prompt_source(args)}"
+        description = f"{model.name} + {head.name}"
         if args.raw_prompts:
             description += " (raw prompts)"
     tree = (args.num_speculative_tokens or m, args.depth or d, args.topk or k)

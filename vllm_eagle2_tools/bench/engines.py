@@ -171,45 +171,55 @@ def _failed(run: Run, exc: Exception) -> Run:
     return run
 
 
-def _interleaved(args: argparse.Namespace, target: Target, prompts: Prompts, bs: int) -> list[Run]:
-    """``--interleave``: the batch size's engines are up together; round r is one timed pass of each.
+def _interleaved(
+    args: argparse.Namespace, target: Target, prompt_sets: dict[str, Prompts], bs: int
+) -> list[Run]:
+    """``--interleave``: the batch size's engines are up together; round r is one timed pass of each
+    over each prompt set (``--dataset a,b``: engines start once for all of them).
 
     Rounds are then seconds apart instead of engine starts apart, so a machine whose speed drifts
     over minutes drifts less within a round. An engine that fails to start fails every round.
     """
     plan = plan_runs(args, target, bs)
+    warm_prompts = next(iter(prompt_sets.values()))
     llms: dict[int, Any] = {}
     metrics: dict[int, list[Any]] = {}  # each engine's own counters (engine.own_metrics)
     runs: list[Run] = []
     try:
         for i, run in enumerate(plan):
             try:
-                llms[i] = start_engine(run, target, prompts, args)
+                llms[i] = start_engine(run, target, warm_prompts, args)
                 metrics[i] = own_metrics()
             except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
                 _failed(run, exc)
         order = list(range(len(plan)))
         for round_ in range(max(1, args.rounds)):
-            for i in order if round_ % 2 == 0 else order[::-1]:
-                # A fresh run per pass (its own lists); one whose engine failed keeps the error.
-                run = replace(plan[i], round=round_, tokens=[], seconds_all=[], accepted_per_pos=[])
-                if i not in llms:
-                    runs.append(run)
-                    continue
-                try:
-                    use_metrics(metrics[i])
-                    runs.append(time_generation(llms[i], run, prompts, args))
-                except Exception as exc:  # noqa: BLE001
-                    runs.append(_failed(run, exc))
+            for name, prompts in prompt_sets.items():
+                for i in order if round_ % 2 == 0 else order[::-1]:
+                    # A fresh run per pass (its own lists); one whose engine failed keeps the error.
+                    run = replace(
+                        plan[i], round=round_, dataset=name, tokens=[], seconds_all=[], accepted_per_pos=[]
+                    )
+                    if i not in llms:
+                        runs.append(run)
+                        continue
+                    try:
+                        use_metrics(metrics[i])
+                        runs.append(time_generation(llms[i], run, prompts, args))
+                    except Exception as exc:  # noqa: BLE001
+                        runs.append(_failed(run, exc))
     finally:
         for llm in llms.values():
             stop_engine(llm)
     return runs
 
 
-def run_all(args: argparse.Namespace, target: Target, prompts: Prompts, batch_sizes: list[int]) -> list[Run]:
-    """Every planned run at every batch size, ``args.rounds`` times; a run that fails keeps its error and
-    the others go on.
+def run_all(
+    args: argparse.Namespace, target: Target, prompt_sets: dict[str, Prompts], batch_sizes: list[int]
+) -> list[Run]:
+    """Every planned run at every batch size over every prompt set (``{name: prompts}``; each run records
+    its set's name in ``Run.dataset``), ``args.rounds`` times; a run that fails keeps its error and the
+    others go on.
 
     Rounds alternate the order of the engines (first to last, then last to first), so that a machine
     slowing down or speeding up over a round weighs on each engine alike across two rounds. Each round
@@ -219,14 +229,15 @@ def run_all(args: argparse.Namespace, target: Target, prompts: Prompts, batch_si
     runs: list[Run] = []
     for bs in batch_sizes:
         if args.interleave:
-            runs.extend(_interleaved(args, target, prompts, bs))
+            runs.extend(_interleaved(args, target, prompt_sets, bs))
             continue
-        for round_ in range(max(1, args.rounds)):
-            plan = plan_runs(args, target, bs)
-            for run in plan if round_ % 2 == 0 else plan[::-1]:
-                run.round = round_
-                try:
-                    runs.append(run_engine(run, target, prompts, args))
-                except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
-                    runs.append(_failed(run, exc))
+        for name, prompts in prompt_sets.items():
+            for round_ in range(max(1, args.rounds)):
+                plan = plan_runs(args, target, bs)
+                for run in plan if round_ % 2 == 0 else plan[::-1]:
+                    run.round, run.dataset = round_, name
+                    try:
+                        runs.append(run_engine(run, target, prompts, args))
+                    except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
+                        runs.append(_failed(run, exc))
     return runs

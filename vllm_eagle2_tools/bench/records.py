@@ -31,6 +31,7 @@ class Run:
     budget: dict[str, Any] | None = None
     error: str | None = None
     round: int = 0  # ``--rounds``: which pass over the batch size's engines timed this run
+    dataset: str = ""  # the prompt set timed (``--dataset a,b`` times several on the same engines)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to vLLM's ``LLM``
 
     @property

@@ -111,21 +111,24 @@ def build_results(
     batch_sizes: list[int],
     runs: list[Run],
     *,
+    dataset: str,
     command: str,
     load_start: list[float],
     wall_seconds: float,
 ) -> dict[str, Any]:
-    """Everything, as written to the JSON file: command, set-up, rows (main and all), outputs."""
+    """Everything, as written to the JSON file: command, set-up, rows (main and all), outputs.
+
+    ``runs``: those over ``prompts``, the set named ``dataset`` (``file:PATH`` for ``--prompts``)."""
     all_rows, main_rows = result_rows(runs, batch_sizes, greedy=args.temperature == 0.0)
     m, d, k = target.tree
     return {
         "command": command,
         "setup": {
-            "description": target.description,
+            "description": f"{target.description}, {dataset}",
             "model": str(target.model),
             "head": str(target.head),
             "eagle3_head": str(target.eagle3_head) if target.eagle3_head else None,
-            "dataset": args.dataset if getattr(args, "prompts", None) is None else f"file:{args.prompts}",
+            "dataset": dataset,
             "num_prompts": len(prompts),
             "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts],
             "max_tokens": args.max_tokens,
