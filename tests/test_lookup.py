@@ -98,3 +98,56 @@ def test_memory_per_request_is_bounded_by_twice_the_window():
         assert len(index) <= 2 * window
         assert index.num_states <= 2 * len(index)
     assert index.steps <= 4 * 40 * window + 2 * 4 * 40 * window  # rebuilds: one window per window added
+
+
+def brute_force_find(text: list[int], query: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    """The longest suffix of ``query`` that occurs in ``text``, and what followed its first
+    occurrence there, up to ``max_tokens`` tokens and cut before a negative token."""
+    for length in range(len(query), 0, -1):
+        suffix = query[len(query) - length :]
+        for end in range(length - 1, len(text)):
+            if text[end - length + 1 : end + 1] == suffix:
+                continuation = []
+                for token in text[end + 1 : end + 1 + max_tokens]:
+                    if token < 0:
+                        break
+                    continuation.append(token)
+                return length, continuation
+    return 0, []
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 8])
+def test_another_texts_suffix_is_found_as_a_brute_force_search_finds_it(alphabet):
+    rng = random.Random(100 + alphabet)
+    for _ in range(40):
+        text = [rng.randrange(alphabet) if rng.random() > 0.1 else -rng.randint(1, 3) for _ in range(50)]
+        index = SuffixIndex()
+        index.extend(text)
+        for _ in range(10):
+            query = [rng.randrange(alphabet) for _ in range(rng.randint(0, 12))]
+            assert index.find(query, 5) == brute_force_find(text, query, 5), (text, query)
+
+
+def test_the_output_cache_continues_an_earlier_output_and_never_across_two():
+    from vllm_eagle2.lookup import OutputCache
+
+    cache = OutputCache(tokens=64)
+    cache.add([10, 11, 12, 13])
+    cache.add([])  # an empty output adds nothing, not even a separator
+    cache.add([12, 13, 20, 21])
+    assert len(cache) == 10
+    assert cache.find([9, 10, 11], 3) == (2, [12, 13])  # stops at the first output's end
+    assert cache.find([5, 12, 13], 2) == (2, [])  # its first occurrence ended an output: nothing to copy
+    assert cache.find([13, 20], 5) == (2, [21])
+    assert cache.find([99], 3) == (0, [])
+
+
+def test_the_output_cache_holds_at_most_twice_its_size():
+    from vllm_eagle2.lookup import OutputCache
+
+    rng = random.Random(0)
+    cache = OutputCache(tokens=100)
+    for _ in range(300):
+        cache.add([rng.randrange(50) for _ in range(rng.randint(1, 20))])
+        assert len(cache) <= 200 and cache.num_states <= 2 * len(cache)
+    assert len(cache) >= 100

@@ -111,6 +111,21 @@ def test_lookup_chains_raise_the_acceptance_length_where_text_repeats(pair, prom
     assert taus[8] > taus[0] + 0.3, taus
 
 
+def test_an_output_cache_continues_what_an_earlier_request_wrote(pair, prompts, random_head, reference):
+    """The same prompt twice, one request after the other: with ``lookup_cache`` the second request's
+    chains continue the first's output, so more lookup drafts are accepted; the output stays exact."""
+    accepted = {}
+    for cache in (0, 4096):
+        spec = eagle2(random_head, budget="fixed", lookup=8, lookup_cache=cache)
+        outputs, metrics = run_llm(pair[0], spec, prompts[:1] * 2, greedy(), max_num_seqs=1)
+        assert tokens_of(outputs) == reference()[:1] * 2
+        stats = metrics["eagle2"]
+        accepted[cache] = stats["lookup_accepted"]
+        assert ("lookup_cache_chains" in stats) == bool(cache), stats
+    assert metrics["eagle2"]["lookup_cache_chains"] > 0
+    assert accepted[4096] > accepted[0] + 10, accepted
+
+
 @pytest.fixture(scope="module")
 def loop_prompt(prompts, reference) -> list[dict]:
     """A prompt that ends in the target's own greedy loop: lookup chains continue the loop, and the

@@ -446,6 +446,16 @@ INVALID = {
         "head",
         ["speculative_config.lookup", "must be 0 with tree 'static'", "dynamic"],
     ),
+    "output cache without lookup chains": (
+        dict(KNOBS, lookup=0, lookup_cache=4096),
+        "head",
+        ["speculative_config.lookup_cache", "lookup > 0", "4096"],
+    ),
+    "negative output cache": (
+        dict(KNOBS, lookup_cache=-1),
+        "head",
+        ["speculative_config.lookup_cache", "[0, 4194304]", "-1"],
+    ),
     "head path does not exist": (KNOBS, "missing_head", ["speculative_config.model", "does not exist"]),
     "head of another hidden size": (KNOBS, "narrow_head", ["speculative_config.model", "hidden_size", "64"]),
     "head of another vocab": (KNOBS, "other_vocab_head", ["speculative_config.model", "vocab_size", "640"]),

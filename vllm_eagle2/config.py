@@ -1,8 +1,8 @@
 """The eagle2 knobs of ``speculative_config`` and their validation (no vLLM imports).
 
 Users write ``{"method": "eagle2", "model": HEAD, "num_speculative_tokens": m, "depth": 6,
-"topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto",
-"lookup": 8}``. vLLM's own config class rejects unknown keys, so the plugin pops the eagle2 keys
+"topk": 10, "tree": "dynamic", "budget": "adaptive", "draft_vocab_size": "auto", "lookup": 8,
+"lookup_cache": 0}``. vLLM's own config class rejects unknown keys, so the plugin pops the eagle2 keys
 here, validates everything that can be checked without weights, and hands the rest to vLLM.
 """
 
@@ -37,7 +37,11 @@ AUTO = "auto"
 #: On by default in ``dynamic`` trees (the only ones it grafts into), 0 in the others.
 DEFAULT_LOOKUP = 8
 MAX_LOOKUP = 64
-EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size", "lookup")
+#: ``lookup_cache: N`` lets chains also continue spans of finished requests' outputs, the last N
+#: to 2N tokens of them (:class:`vllm_eagle2.lookup.OutputCache`); 0 = off, the default (not yet
+#: measured on a benchmark: a cache pays only where requests repeat each other).
+MAX_LOOKUP_CACHE = 1 << 22
+EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size", "lookup", "lookup_cache")
 
 
 class Eagle2ConfigError(ValueError):
@@ -60,6 +64,7 @@ class Eagle2Settings:
     head_format: the head's checkpoint format, ``eagle`` or ``eagle3`` (read from the head folder
     by the plugin, :func:`vllm_eagle2.head_files.check_head`).
     lookup: tokens per lookup chain grafted into each tree (0 = none; ``dynamic`` trees only).
+    lookup_cache: tokens of finished requests' outputs the chains may continue too (0 = none).
     """
 
     num_nodes: int = DEFAULT_NUM_TOKENS
@@ -72,6 +77,7 @@ class Eagle2Settings:
     draft_vocab_ids: tuple[int, ...] = field(default=(), repr=False)
     head_format: str = "eagle"
     lookup: int = DEFAULT_LOOKUP
+    lookup_cache: int = 0
 
     @property
     def nodes_per_step(self) -> int:
@@ -131,8 +137,15 @@ def parse_settings(spec: dict[str, Any]) -> Eagle2Settings:
             f"speculative_config.lookup must be 0 with tree {tree!r} (lookup chains are grafted into "
             f"dynamic trees only); got {lookup}"
         )
+    lookup_cache = _int_field("lookup_cache", spec.get("lookup_cache", 0), 0, MAX_LOOKUP_CACHE)
+    if lookup_cache and not lookup:
+        raise Eagle2ConfigError(
+            "speculative_config.lookup_cache needs lookup chains (lookup > 0, in a dynamic tree); "
+            f"got lookup_cache {lookup_cache} with lookup 0"
+        )
     return Eagle2Settings(
         lookup=lookup,
+        lookup_cache=lookup_cache,
         num_nodes=num_nodes,
         depth=depth,
         topk=topk,

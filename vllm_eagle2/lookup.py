@@ -12,14 +12,18 @@ where they reach the text's end). Memory is bounded: the index
 covers at most the last ``2 * window`` tokens (it is rebuilt from the last ``window`` tokens when it
 would exceed that; a rebuild every ``window`` tokens keeps the update linear, amortised).
 
+:class:`OutputCache` (``lookup_cache``) holds recent requests' outputs in one such index, so that a
+request can continue a span that an earlier request wrote: a follow-up that reworks an answer
+served before, a template the server keeps filling in (as vLLM's suffix decoding caches responses).
+
 Engine-free: host integers in, host integers out; the engine batches the answers into tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["DEFAULT_WINDOW", "SuffixIndex"]
+__all__ = ["DEFAULT_WINDOW", "OutputCache", "SuffixIndex"]
 
 #: Tokens a request's index covers at least (its last ``window`` tokens); at most twice as many.
 DEFAULT_WINDOW = 4096
@@ -61,6 +65,10 @@ class SuffixIndex:
     def num_states(self) -> int:
         """States held: at most ``2 * len(self) - 1`` (1 when empty)."""
         return len(self._len)
+
+    def tail(self, n: int) -> list[int]:
+        """The text's last ``n`` tokens (fewer if it is shorter)."""
+        return self._tokens[-n:] if n > 0 else []
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to the text."""
@@ -117,3 +125,57 @@ class SuffixIndex:
         start = self._first[state] + 1
         period = len(self._tokens) - start
         return self._len[state], [self._tokens[start + i % period] for i in range(max_tokens)]
+
+    def find(self, query: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
+        """The longest suffix of ``query`` (another text's last tokens) that occurs in this text, and
+        what followed its first occurrence here.
+
+        Returns ``(length, continuation)``: up to ``max_tokens`` tokens, cut before the first negative
+        token (a separator, :class:`OutputCache`) or at the text's end; ``(0, [])`` when not even
+        the query's last token occurs. Time linear in ``len(query)``: the query walks the automaton,
+        following suffix links where it cannot go on (matching statistics).
+        """
+        lengths, links, nexts = self._len, self._link, self._next
+        state, length = 0, 0
+        for token in query:
+            while state and token not in nexts[state]:
+                state = links[state]
+                length = lengths[state]
+            if token in nexts[state]:
+                state, length = nexts[state][token], length + 1
+        if length == 0:
+            return 0, []
+        continuation = []
+        for token in self._tokens[self._first[state] + 1 : self._first[state] + 1 + max_tokens]:
+            if token < 0:
+                break
+            continuation.append(token)
+        return length, continuation
+
+
+class OutputCache:
+    """The last ``tokens``..``2 * tokens`` tokens of finished requests' outputs, each followed by a
+    separator of its own (a negative id that occurs once), so that no match spans two outputs."""
+
+    def __init__(self, tokens: int) -> None:
+        self._index = SuffixIndex(window=tokens)
+        self._outputs = 0
+
+    def __len__(self) -> int:
+        """Tokens held, separators included."""
+        return len(self._index)
+
+    @property
+    def num_states(self) -> int:
+        """The index's states: at most ``2 * len(self) - 1``."""
+        return self._index.num_states
+
+    def add(self, output: Sequence[int]) -> None:
+        """Keep a finished request's output (nothing for an empty one)."""
+        if len(output):
+            self._outputs += 1
+            self._index.extend([*output, -self._outputs])
+
+    def find(self, query: Sequence[int], max_tokens: int) -> tuple[int, list[int]]:
+        """:meth:`SuffixIndex.find` over the outputs held."""
+        return self._index.find(query, max_tokens)

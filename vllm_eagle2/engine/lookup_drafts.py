@@ -25,7 +25,7 @@ import torch
 
 from vllm_eagle2.device import to_device
 from vllm_eagle2.graft import LookupChains
-from vllm_eagle2.lookup import SuffixIndex
+from vllm_eagle2.lookup import OutputCache, SuffixIndex
 from vllm_eagle2.verify.paths import accepted_and_reached
 
 #: Chains are valued by the length of the match they continue: bucket i holds matches of at least
@@ -41,16 +41,22 @@ PRIOR_TRIALS = 2.0
 ALONE_MIN_BUCKET = 3
 #: Per verification, older counts are multiplied by this (a memory of about 50 steps).
 DISCOUNT = 0.98
+#: The request's last tokens looked up in the output cache: a match longer than the top bucket's
+#: bound values no differently.
+CACHE_QUERY = 2 * MATCH_BUCKETS[-1]
 
 
 class LookupDrafts:
     """The lookup chains of one engine's requests (L = ``length`` tokens each at most)."""
 
-    def __init__(self, length: int, device: torch.device) -> None:
+    def __init__(self, length: int, device: torch.device, cache_tokens: int = 0) -> None:
         self.length = length
         self.device = device
         self._indexes: dict[str, SuffixIndex] = {}
         self._seen: dict[str, int] = {}  # tokens of each request's text its index has taken
+        self._prompt_len: dict[str, int] = {}
+        self.cache = OutputCache(cache_tokens) if cache_tokens else None
+        self.cache_chains = 0  # chains taken from the cache (host count)
         self._sampled: torch.Tensor | None = None  # this step's sampled tokens, [B, W] host, -1 padded
         self._event: torch.cuda.Event | None = None
         # [2, buckets, L]: discounted trials and acceptances of grafted nodes.
@@ -60,9 +66,12 @@ class LookupDrafts:
         self.accepted = torch.zeros((), dtype=torch.long, device=device)  # of them accepted
 
     def forget(self, req_ids: set[str]) -> None:
+        """Drop finished requests; with a cache, keep their outputs (as far as their index holds them)."""
         for rid in req_ids:
-            self._indexes.pop(rid, None)
-            self._seen.pop(rid, None)
+            index, seen = self._indexes.pop(rid, None), self._seen.pop(rid, 0)
+            prompt_len = self._prompt_len.pop(rid, seen)
+            if self.cache is not None and index is not None:
+                self.cache.add(index.tail(min(seen - prompt_len, len(index))))
 
     def take_sampled(self, sampled: Any) -> None:
         """This step's sampled tokens: a device tensor [B, W] (-1 = none), whose host copy starts
@@ -91,6 +100,7 @@ class LookupDrafts:
         sampled = self._sampled.numpy() if self._sampled is not None else None
         discard = runner.discard_request_mask.np[:batch]
         text, known = runner.input_batch.token_ids_cpu, runner.input_batch.num_tokens_no_spec
+        prompt_lens = runner.input_batch.num_prompt_tokens
         tokens = np.full((batch, self.length), -1, dtype=np.int64)
         buckets = np.zeros(batch, dtype=np.int64)
         found = np.zeros(batch, dtype=bool)
@@ -106,7 +116,12 @@ class LookupDrafts:
                 index.extend(new)
                 seen += len(new)
             self._seen[rid] = seen
+            self._prompt_len[rid] = int(prompt_lens[i])
             length, continuation = index.match(self.length)
+            if self.cache is not None:
+                cached = self.cache.find(index.tail(CACHE_QUERY), self.length)
+                if cached[0] > length and cached[1]:
+                    (length, continuation), self.cache_chains = cached, self.cache_chains + 1
             tokens[i, : len(continuation)] = continuation
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
             found[i] = len(continuation) > 0 and buckets[i] >= min_bucket
@@ -146,5 +161,7 @@ class LookupDrafts:
         self.accepted += (accepted & grafted).sum()
 
     def summary(self) -> dict[str, int]:
-        """Grafted drafts verified and accepted (reads the device: an RPC's, never a step's)."""
-        return {"lookup_drafts": int(self.sent.item()), "lookup_accepted": int(self.accepted.item())}
+        """Grafted drafts verified and accepted (reads the device: an RPC's, never a step's), and with
+        a cache the chains taken from it."""
+        cache = {} if self.cache is None else {"lookup_cache_chains": self.cache_chains}
+        return {"lookup_drafts": int(self.sent.item()), "lookup_accepted": int(self.accepted.item()), **cache}

@@ -113,7 +113,7 @@ class Eagle2Proposer(EagleProposer):
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
-        self.lookup = LookupDrafts(s.lookup, device) if s.lookup else None
+        self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None
         blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
         if blockers:
             logger.warning(
