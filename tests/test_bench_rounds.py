@@ -267,3 +267,15 @@ def test_an_unknown_data_set_is_refused_naming_the_choices(capsys: pytest.Captur
         parse_args(["--dataset", "mtbench,sharegpt-qq"])
     err = capsys.readouterr().err
     assert "sharegpt-qq" in err and "sharegpt-rewrite" in err
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_engine_starts() -> None:
+    from vllm_eagle2_tools.bench.config import check_context
+
+    args = argparse.Namespace(max_tokens=32, range_ratio=0.5, max_model_len=2048)  # outputs up to 48
+    check_context({"mtbench": [{"prompt_token_ids": [1] * 2000}]}, args)
+    with pytest.raises(SystemExit, match=r"--max-model-len 2048 cannot hold sharegpt-qa \(a prompt of 2001"):
+        check_context(
+            {"mtbench": [{"prompt_token_ids": [1] * 10}], "sharegpt-qa": [{"prompt_token_ids": [1] * 2001}]},
+            args,
+        )

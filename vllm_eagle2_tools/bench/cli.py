@@ -90,6 +90,7 @@ from vllm_eagle2_tools.bench.config import (
     _dataset_list,
     _int_list,
     _setting_list,
+    check_context,
     draft_vocab_arg,
     resolve_target,
 )
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_sets = {f"file:{args.prompts}": prompts}
     else:
         prompt_sets = {d: load_prompts(d, target.model, args.num_prompts, chat) for d in args.dataset}
+    check_context(prompt_sets, args)
     batch_sizes = args.batch_sizes or [args.batch_size]
     num_prompts = min(len(p) for p in prompt_sets.values())
     log(

@@ -238,3 +238,21 @@ def length_range(max_tokens: int, range_ratio: float) -> tuple[int, int]:
     ``max_tokens * (1 -/+ range_ratio)``, rounded, at least 1."""
     low = max(1, round(max_tokens * (1 - range_ratio)))
     return low, max(low, round(max_tokens * (1 + range_ratio)))
+
+
+def check_context(prompt_sets: dict[str, list[dict[str, list[int]]]], args: argparse.Namespace) -> None:
+    """Refuse, before any engine starts, prompt sets whose longest prompt and longest output
+    (``--max-tokens`` spread by ``--range-ratio``) exceed ``--max-model-len``: vLLM would refuse that
+    prompt in every timed pass, minutes into the run."""
+    longest_output = length_range(args.max_tokens, args.range_ratio)[1]
+    over = {
+        name: longest
+        for name, prompts in prompt_sets.items()
+        if (longest := max(len(p["prompt_token_ids"]) for p in prompts)) + longest_output > args.max_model_len
+    }
+    if over:
+        sets = ", ".join(f"{name} (a prompt of {n} tokens)" for name, n in over.items())
+        raise SystemExit(
+            f"error: --max-model-len {args.max_model_len} cannot hold {sets} plus {longest_output} new "
+            "tokens; raise --max-model-len or lower --num-prompts"
+        )
