@@ -109,6 +109,8 @@ class LookupDrafts:
             if index is None or seen > known[i]:  # new, or its text was rewound
                 index, seen = SuffixIndex(), 0
                 self._indexes[rid] = index
+                if self.cache is not None:  # what forget keeps of the text is what follows the prompt
+                    self._prompt_len[rid] = int(prompt_lens[i])
             index.extend(text[i, seen : known[i]].tolist())
             seen = int(known[i])
             if sampled is not None and not discard[i]:
@@ -116,7 +118,6 @@ class LookupDrafts:
                 index.extend(new)
                 seen += len(new)
             self._seen[rid] = seen
-            self._prompt_len[rid] = int(prompt_lens[i])
             length, continuation = index.match(self.length)
             if self.cache is not None:
                 cached = self.cache.find(index.tail(CACHE_QUERY), self.length)
