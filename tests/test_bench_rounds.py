@@ -209,6 +209,7 @@ def test_budget_counters_add_up_over_rounds() -> None:
     runs[1].budget = {
         "steps": 10,
         "steps_without_drafts": 2,
+        "steps_head_skipped": 3,
         "drafts_per_step": {"0": 2, "3": 8},
         "shapes": {"d0k0": 2, "d1k3": 8},
         "overhead_ms": 1.0,
@@ -224,6 +225,7 @@ def test_budget_counters_add_up_over_rounds() -> None:
     }
     budget = result_rows(runs, [4], greedy=True)[0][1]["budget"]
     assert (budget["steps"], budget["steps_without_drafts"], budget["replans"]) == (15, 7, 1)
+    assert budget["steps_head_skipped"] == 3  # the second round's record predates the counter
     assert budget["drafts_per_step"] == {"0": 7, "3": 8}
     assert budget["mean_drafts_per_step"] == pytest.approx(24 / 15)
 

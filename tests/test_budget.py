@@ -17,6 +17,7 @@ from vllm_eagle2.budget.decisions import (
     AcceptanceModel,
     DraftPlan,
     allocate_nodes,
+    chains_alone_pay,
     plan_draft,
     step_cost,
 )
@@ -213,6 +214,7 @@ def test_step_cost_is_the_price_the_plan_was_chosen_on():
     assert chosen.drafts
     gain = expected_accepted(acceptance(), chosen.depth, chosen.topk, chosen.num_nodes)[chosen.per_request]
     assert chosen.rate * step_cost(chosen, 1, **costs) == pytest.approx(1 + gain)
+    assert chosen.gain == pytest.approx(gain)
 
 
 def test_step_cost_of_no_drafts_is_a_plain_pass():
@@ -244,7 +246,7 @@ def exhaustive_plan(
             rate = rate[: size + 1]
             j = size if chain_only else int(np.argmax(rate[1:])) + 1
             if rate[j] > best.rate:
-                best = DraftPlan(d, k, size, j, float(rate[j]))
+                best = DraftPlan(d, k, size, j, float(rate[j]), float(np.interp(counts, n, gains)[j]))
     return best
 
 
@@ -267,9 +269,56 @@ def test_plan_is_the_best_shape_of_an_exhaustive_search(chain_only):
             kw["sent"] = float(rng.uniform(0.0, max_nodes))
         expected = exhaustive_plan(batch, **kw, **costs)
         chosen_plan = plan_draft(batch, **kw, **costs)
-        assert chosen_plan == replace(expected, rate=pytest.approx(expected.rate, rel=1e-12))
+        approx = {"rate": pytest.approx(expected.rate, rel=1e-12), "gain": pytest.approx(expected.gain)}
+        assert chosen_plan == replace(expected, **approx)
         chosen.append(expected.drafts)
     assert 0.2 < np.mean(chosen) < 0.98  # the cases both draft and decline
+
+
+# --- lookup chains alone or beside the head -----------------------------------------------------
+#: A head plan at batch 4 worth two tokens per request for 2 draft levels of 5 ms, on a 20 ms target.
+CHAIN_COSTS = dict(
+    target=linear_curve(4096, 0.020, 0.0005), level=linear_curve(640, 0.005, 0.0001), overhead=0.002
+)
+HEAD_PLAN = DraftPlan(depth=2, topk=2, num_nodes=6, per_request=3, rate=0.0, gain=2.0)
+
+
+def chains(batch: int, rate: float, length: int) -> np.ndarray:
+    """[batch, 8] reach of ``batch`` chains of ``length`` tokens, each accepted at ``rate``."""
+    reach = np.where(np.arange(8) < length, rate ** np.arange(1, 9), 0.0)
+    return np.tile(reach, (batch, 1))
+
+
+def test_confident_chains_go_alone_rather_than_pay_the_head_levels():
+    assert chains_alone_pay(HEAD_PLAN, chains(4, 0.9, 8), **CHAIN_COSTS)
+
+
+def test_doubtful_chains_leave_the_head_its_levels():
+    assert not chains_alone_pay(HEAD_PLAN, chains(4, 0.3, 8), **CHAIN_COSTS)
+
+
+def test_requests_without_a_chain_keep_the_head_for_the_batch():
+    reach = chains(4, 0.8, 8)
+    assert chains_alone_pay(HEAD_PLAN, reach, **CHAIN_COSTS)
+    reach[1:] = 0.0  # one chain among four requests
+    assert not chains_alone_pay(HEAD_PLAN, reach, **CHAIN_COSTS)
+
+
+def test_chains_go_alone_more_readily_as_they_grow_surer_and_the_head_dearer():
+    rng = np.random.default_rng(0)
+    outcomes = []
+    for _ in range(300):
+        batch, length = int(rng.choice([1, 4, 16])), int(rng.integers(1, 9))
+        rate, surer = sorted(rng.uniform(0.05, 0.99, 2))
+        level, dearer = sorted(rng.uniform(0.0, 0.02, 2))
+        costs = dict(CHAIN_COSTS, level=linear_curve(640, level, 0.0001))
+        dear = dict(CHAIN_COSTS, level=linear_curve(640, dearer, 0.0001))
+        alone = chains_alone_pay(HEAD_PLAN, chains(batch, rate, length), **costs)
+        if alone:
+            assert chains_alone_pay(HEAD_PLAN, chains(batch, surer, length), **costs)
+            assert chains_alone_pay(HEAD_PLAN, chains(batch, rate, length), **dear)
+        outcomes.append(alone)
+    assert 0.1 < np.mean(outcomes) < 0.9  # the cases go both ways
 
 
 def test_chain_plan_keeps_every_node_of_its_depth():

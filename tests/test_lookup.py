@@ -1,12 +1,17 @@
 """The lookup matcher: one request's longest repeated suffix and what followed it, kept incrementally
-in bounded memory (:class:`vllm_eagle2.lookup.SuffixIndex`)."""
+in bounded memory (:class:`vllm_eagle2.lookup.SuffixIndex`); and the chains' outlook the budget weighs
+(:meth:`vllm_eagle2.engine.lookup_drafts.LookupDrafts.outlook`)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
+from vllm_eagle2.engine.lookup_drafts import PRIOR_RATES, LookupDrafts
 from vllm_eagle2.lookup import SuffixIndex
 
 
@@ -151,3 +156,42 @@ def test_the_output_cache_holds_at_most_twice_its_size():
         cache.add([rng.randrange(50) for _ in range(rng.randint(1, 20))])
         assert len(cache) <= 200 and cache.num_states <= 2 * len(cache)
     assert len(cache) >= 100
+
+
+def runner_with(texts: list[list[int]]) -> SimpleNamespace:
+    """What :meth:`LookupDrafts.chains` reads of vLLM's model runner: each request's text on the host."""
+    ids = np.zeros((len(texts), max(map(len, texts))), dtype=np.int64)
+    for i, text in enumerate(texts):
+        ids[i, : len(text)] = text
+    lengths = np.array([len(t) for t in texts])
+    batch = SimpleNamespace(token_ids_cpu=ids, num_tokens_no_spec=lengths, num_prompt_tokens=lengths)
+    discard = SimpleNamespace(np=np.zeros(len(texts), dtype=bool))
+    return SimpleNamespace(input_batch=batch, discard_request_mask=discard)
+
+
+#: A 12-token span, then its first 9 again: a match of 9 tokens (bucket 8-15), 8 tokens to continue.
+REPEATED = list(range(100, 112)) + list(range(100, 109))
+UNIQUE = list(range(200, 220))
+
+
+def test_the_outlook_prices_a_chain_by_its_match_length_and_a_request_without_one_at_zero():
+    drafts = LookupDrafts(8, torch.device("cpu"))
+    chains, buckets = drafts.chains(runner_with([REPEATED, UNIQUE]), ["a", "b"])
+    assert buckets.tolist() == [3, -1]
+    rate = PRIOR_RATES[3]
+    assert drafts.outlook(8) == pytest.approx(np.array([rate ** np.arange(1, 9), np.zeros(8)]))
+    assert drafts.outlook(3) == pytest.approx(np.array([rate ** np.arange(1, 4), np.zeros(3)]))
+
+
+def test_the_outlook_follows_the_acceptance_verification_teaches():
+    drafts = LookupDrafts(8, torch.device("cpu"))
+    runner = runner_with([REPEATED])
+    drafts.chains(runner, ["a"])
+    before = drafts.outlook(8)[0, 0]
+    for _ in range(5):  # the chain's first token reached and rejected, five times
+        one = torch.ones((1, 1), dtype=torch.long)
+        drafts.record(one.bool(), torch.tensor([3]), -one, one, -one)
+    for _ in range(2):  # the outlook reads the rates of the step before
+        drafts.chains(runner, ["a"])
+    after = drafts.outlook(8)[0, 0]
+    assert after < 0.5 * before, (before, after)

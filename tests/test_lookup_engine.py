@@ -98,6 +98,24 @@ def test_steps_whose_head_drafts_nothing_still_send_lookup_chains(pair, prompts,
     assert stats["tree_rows"] == 0, stats
 
 
+#: Draft levels of 5 ms beside a 20 ms target: the head's drafts pay, confident chains alone pay more.
+HEAD_LEVELS_DEAR = '{"target": [0.02, 0.0005], "level": [0.005, 0.0001], "overhead": 0.002}'
+
+
+def test_confident_chains_leave_the_head_levels_unrun_and_the_output_exact(
+    pair, prompts, reference, monkeypatch
+):
+    monkeypatch.setenv(COSTS_ENV, HEAD_LEVELS_DEAR)
+    target, head = pair
+    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    assert_lookup_exercised(metrics)
+    stats, budget = metrics["eagle2"], metrics["eagle2_budget"]
+    assert budget["steps_head_skipped"] > 0, budget
+    # The head drafted in the other steps.
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > stats["lookup_drafts"], stats
+
+
 def test_lookup_chains_raise_the_acceptance_length_where_text_repeats(pair, prompts, random_head, reference):
     taus = {}
     for lookup in (0, 8):

@@ -200,6 +200,21 @@ def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path:
     assert "nospec_vec" not in DEFAULT_MODES
 
 
+def test_benchmark_lookup_head_is_the_defaults_with_the_head_beside_every_chain(tmp_path: Path) -> None:
+    """``lookup_head`` is eagle2's defaults in an engine whose env keeps the head's levels beside chains."""
+    from vllm_eagle2.engine.lookup_drafts import HEAD_SKIP_ENV
+    from vllm_eagle2_tools.bench.cli import parse_args
+    from vllm_eagle2_tools.bench.config import DEFAULT_MODES, plan_runs, resolve_target
+    from vllm_eagle2_tools.testing import build_pair
+
+    target_dir, head = build_pair(tmp_path, "partial")
+    args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "lookup_head,defaults"])
+    keep, default = plan_runs(args, resolve_target(args), bs=4)
+    assert keep.spec == default.spec == {"method": "eagle2", "model": str(head)}
+    assert keep.engine_kwargs == {"env": {HEAD_SKIP_ENV: "0"}} and default.engine_kwargs == {}
+    assert "lookup_head" not in DEFAULT_MODES
+
+
 def test_measurements_name_the_cpu_model_and_the_flags_its_kernels_depend_on() -> None:
     """Sittings can land on different machines; the results say which CPU, and which kernel ISAs it has."""
     from vllm_eagle2_tools.machine import cpu_description, cpu_note

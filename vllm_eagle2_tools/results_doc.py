@@ -60,6 +60,8 @@ ROW_FIELDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "dps": lambda row: f"{row['budget']['mean_drafts_per_step']:.1f}",
     "x": speedup_text,  # with the range over rounds when there were several
     "skip": lambda row: f"{row['budget']['steps_without_drafts'] / row['budget']['steps']:.0%}",
+    # steps whose lookup chains went alone, the plan's head levels unrun
+    "alone": lambda row: f"{row['budget']['steps_head_skipped'] / row['budget']['steps']:.0%}",
     "acc1": _depths(1),
     "acc2": _depths(2),
     "acc3": _depths(3),

@@ -7,7 +7,8 @@
 * **Acceptance.** The verifier adds each step's outcome to a small device table
   (:meth:`record_verification`): per depth and sibling rank, trials and acceptances; per depth, accepted
   nodes and the summed exp(path value) of the verified ones; copied with the drafter's own transfer.
-* **Decisions.** :meth:`plan` (host, before drafting) and :meth:`allocate` (device, after).
+* **Decisions.** :meth:`plan` (host, before drafting), :meth:`chains_alone_pay` (host, once lookup chains are
+  known) and :meth:`allocate` (device, after).
 
 ``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.budget.costs.COSTS_ENV`) replaces the measured costs by
 fixed linear ones, for tests and what-if runs.
@@ -32,10 +33,12 @@ from vllm_eagle2.budget.decisions import (
     AcceptanceModel,
     DraftPlan,
     allocate_nodes,
+    chains_alone_pay,
     draft_seconds,
     plan_draft,
     step_cost,
 )
+from vllm_eagle2.budget.summary import summarize
 from vllm_eagle2.device import to_device
 from vllm_eagle2.verify.paths import accepted_and_reached
 
@@ -81,21 +84,18 @@ class AdaptiveBudget:
         device: torch.device,
     ) -> None:
         self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
-        self.device = device
         # target: a pass in a step without drafts to verify; verify: in a step with them (the
         # same calibration; priced as ``target`` until a verifying step has been timed).
         self.target = CostCurve(max_tokens)
         self.verify = CostCurve(max_tokens)
         self.level = CostCurve(max_batch * topk)
-        # Seconds at speed 1 of a step besides its passes, from its start to the drafter's end
-        # (count_step), in a step without / with drafts; and from that end to the next step's
-        # start (vLLM's scheduling and output processing, shared by both kinds of step).
+        # Seconds at speed 1 of a step besides its passes, to the drafter's end (count_step), without /
+        # with drafts; and from that end to the next step's start (vLLM's own work, shared by both).
         self.overhead = 0.0
         self.draft_overhead: float | None = None  # None: not measured yet, ``overhead`` stands in
         self.between = 0.0
-        # The machine's speed: every price is a speed times its curve (or overhead), which learn
-        # the cost of each size at speed 1; ``speed`` for a step without drafts, ``drafting_speed``
-        # for a drafting one's passes and overhead. See observe_target.
+        # The machine's speed: a price is a speed times its curve (or overhead), learnt at speed 1;
+        # ``speed`` for a step without drafts, ``drafting_speed`` for a drafting one (observe_target).
         self.speed = 1.0
         self.drafting_speed = 1.0
         self.acceptance = AcceptanceModel(depth, topk)
@@ -125,9 +125,9 @@ class AdaptiveBudget:
         self._step_target = 0.0
         self._step_draft = 0.0
         self._levels: list[tuple[Any, int]] = []
-        # Metrics: steps, steps without drafts, drafts per step, plans chosen.
         self.steps = 0
         self.steps_without_drafts = 0
+        self.steps_head_skipped = 0  # steps that sent lookup chains alone, the plan's head levels unrun
         self.nodes_per_step: Counter[int] = Counter()
         self.nodes_per_request: Counter[int] = Counter()
         self.shapes: Counter[tuple[int, int]] = Counter()
@@ -159,11 +159,11 @@ class AdaptiveBudget:
     def _observe_overheads(self, now: float) -> None:
         """Learn the last step's overhead and the time from its end to ``now``.
 
-        That gap is mostly the engine's own work, but it also holds whatever time the engine
-        waited for requests: one idle minute taken as overhead priced every step of its kind at
-        seconds, so the budget stopped running that kind and never saw it cheap again (measured
-        at batch 4: 32.8 tok/s, then after 30 s idle 24.8 tok/s, for good). So the overheads stop
-        at the drafter's end, and the gap rises by at most ``OVERHEAD_RATE`` of itself per step.
+        That gap is mostly the engine's own work, but also any time it waited for requests: one
+        idle minute taken as overhead priced every step of its kind at seconds, and the budget never
+        ran that kind again (batch 4: 32.8 tok/s, after 30 s idle 24.8 tok/s, for good). So the
+        overheads stop at the drafter's end, and the gap rises by at most ``OVERHEAD_RATE`` of
+        itself per step.
 
         A step with prompt tokens teaches no overhead: the head's catch-up pass over them, which
         lands there in a step without drafts, is paid alike whatever the step drafts (measured at
@@ -204,17 +204,13 @@ class AdaptiveBudget:
     def observe_target(self, tokens: int, seconds: float, *, verifies: bool) -> None:
         """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts).
 
-        The pass's error moves a speed by ``SPEED_RATE`` (the ratio clipped to [0.5, 2]), and
-        the rest of it the curve of that kind of pass (a running mean, :meth:`CostCurve.observe`).
-        A shared machine speeds up and slows down for every pass alike; were that learnt per
-        curve only, a price the planner stopped running (verification while no drafts pay, one
-        size of tree while another is drafted) would keep the price of the moment it was last
-        run. A plain pass moves both speeds: the drafting prices follow the machine while no
-        drafts pay. A verifying pass moves only ``drafting_speed``: what it costs beyond its
-        calibration is partly verification's own price, and taken as the machine's it raised
-        the price of a step without drafts, which was then not run to correct it (measured at
-        batch 16: priced at 190-200 ms against 120-140 ms run, so drafting looked to pay where
-        it lost).
+        The pass's error moves a speed by ``SPEED_RATE`` (the ratio clipped to [0.5, 2]), the rest
+        of it the curve of that kind of pass (:meth:`CostCurve.observe`). A shared machine speeds
+        up and slows down for every pass alike; learnt per curve only, a price the planner stopped
+        running would keep the price of the moment it last ran. A plain pass moves both speeds. A
+        verifying pass moves only ``drafting_speed``: taken as the machine's, its own price raised
+        that of a step without drafts, which was then not run to correct it (batch 16: priced at
+        190-200 ms against 120-140 ms run, so drafting looked to pay where it lost).
         """
         curve = self.verify if verifies else self.target
         speed = self.drafting_speed if verifies else self.speed
@@ -231,9 +227,11 @@ class AdaptiveBudget:
         """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
         self._levels.append((self.clock.mark(), rows))
 
-    def drafting_done(self) -> None:
-        """The last level ended: each level is timed from its start to the next one's."""
-        if not self._levels:
+    def drafting_done(self, timed: bool = True) -> None:
+        """The last level ended: each level is timed from its start to the next one's (``timed``
+        False: the levels are dropped, as where the head drafted nothing after the catch-up)."""
+        if not self._levels or not timed:
+            self._levels = []
             return
         self._levels.append((self.clock.mark(), 0))
         for i, ((start, rows), (end, _)) in enumerate(zip(self._levels, self._levels[1:])):
@@ -260,10 +258,9 @@ class AdaptiveBudget:
     ) -> None:
         """Add one verification to the device table (no host reads).
 
-        parents / depths / ranks: [B, N] int64 of the verified trees; values: [B, N] float
-        path log-probabilities; known: [B, N] bool, the nodes whose tree position is known
-        (drafts of this drafter, not padding); accepted_nodes: [B, N] int64, the accepted
-        path's node indices, -1 padded.
+        parents / depths / ranks: [B, N] int64 of the verified trees; values: [B, N] float path
+        log-probabilities; known: [B, N] bool, the nodes whose tree position is known (drafts of
+        this drafter, not padding); accepted_nodes: [B, N] int64, the accepted path, -1 padded.
         """
         accepted, parent_ok = accepted_and_reached(parents, accepted_nodes)
         # A known node's parent is known too (a lookup node never has a head node below it).
@@ -348,6 +345,10 @@ class AdaptiveBudget:
         self._plans[batch] = (self._step, plan, seconds, none)
         return plan
 
+    def chains_alone_pay(self, plan: DraftPlan, reach: np.ndarray) -> bool:
+        """Whether lookup chains ([B, L] ``reach``) alone beat ``plan`` beside them (decisions)."""
+        return chains_alone_pay(plan, reach, **self._costs())
+
     def allocate(
         self, plan: DraftPlan, values: Tensor, depths: Tensor, allowed: Tensor, grafted: Tensor | None = None
     ) -> Tensor:
@@ -363,10 +364,11 @@ class AdaptiveBudget:
         step_seconds = to_device(seconds.astype(np.float32), values.device)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds, grafted)
 
-    def count_step(self, plan: DraftPlan, counts: list[int]) -> None:
-        """Metrics of one step: the plan and the drafts sent for each request."""
+    def count_step(self, plan: DraftPlan, counts: list[int], head_skipped: bool = False) -> None:
+        """Metrics of one step: the plan and the drafts sent for each request (``head_skipped``: the
+        head drafted nothing of ``plan``, lookup chains went alone)."""
         total = sum(counts)
-        if counts:
+        if counts and not head_skipped:
             sent = self._sent.get(len(counts), float(self.max_nodes))
             if plan.drafts:
                 seen = total / len(counts)
@@ -376,13 +378,14 @@ class AdaptiveBudget:
             else:
                 self._sent[len(counts)] = sent + SENT_RECOVERY * (self.max_nodes - sent)
         self._step_drafted = total > 0
-        self._lookup_only = total > 0 and not plan.drafts
+        self._lookup_only = total > 0 and (head_skipped or not plan.drafts)
         # Once per step: the device table and its host copy forget alike (the copy, if one landed
         # this step, was taken before this).
         self.stats.mul_(DISCOUNT)
         self.acceptance.decay(DISCOUNT)
         self.steps += 1
         self.steps_without_drafts += total == 0
+        self.steps_head_skipped += head_skipped
         self.nodes_per_step[total] += 1
         self._step_end = time.perf_counter()
         self.nodes_per_request.update(counts)
@@ -394,6 +397,4 @@ class AdaptiveBudget:
 
     def summary(self) -> dict[str, Any]:
         """Counters since start (:func:`vllm_eagle2.budget.summary.summarize`)."""
-        from vllm_eagle2.budget.summary import summarize
-
         return summarize(self)

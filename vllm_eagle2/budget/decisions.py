@@ -32,6 +32,7 @@ __all__ = [
     "DraftPlan",
     "NO_DRAFTS",
     "allocate_nodes",
+    "chains_alone_pay",
     "draft_seconds",
     "plan_draft",
     "step_cost",
@@ -96,7 +97,8 @@ class DraftPlan:
 
     ``num_nodes == 0``: no drafts this step (depth and topk are then 0 too).
     ``rate``: the tokens per second the plan expects; ``per_request``: the nodes per request
-    the plan was sized for (``num_nodes`` may be larger, to leave the allocation room).
+    the plan was sized for (``num_nodes`` may be larger, to leave the allocation room);
+    ``gain``: the accepted drafts per request it expects.
     """
 
     depth: int
@@ -104,6 +106,7 @@ class DraftPlan:
     num_nodes: int
     per_request: int
     rate: float
+    gain: float = 0.0
 
     @property
     def drafts(self) -> bool:
@@ -129,6 +132,7 @@ def fit_level_rows(plan: DraftPlan, batch: int, max_rows: int) -> DraftPlan:
         num_nodes=min(plan.num_nodes, pool),
         per_request=min(plan.per_request, pool),
         rate=plan.rate,
+        gain=plan.gain,
     )
 
 
@@ -187,6 +191,7 @@ def plan_draft(
     expand = level(batch * topks)[:, None]  # [K, 1]
     best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
     best_nodes = np.zeros((len(topks), max_depth), np.int64)
+    best_gain = np.zeros((len(topks), max_depth))
     # Depth by depth for every k at once, rather than growing each shape's tree on its own
     # (at the defaults 6 rounds of array work instead of 60 shapes of it). Row k - 1 holds
     # topk k: ``pool`` its best max_nodes path values so far (0 = no node) and ``level_values``
@@ -213,6 +218,7 @@ def plan_draft(
             j = np.argmax(rate[:, 1:], axis=1) + 1
         best_rate[:, d - 1] = rate[np.arange(len(topks)), j]
         best_nodes[:, d - 1] = j
+        best_gain[:, d - 1] = gain[np.arange(len(topks)), j]
         if chain_only and d >= max_nodes:
             break
     k, d = np.unravel_index(int(np.argmax(best_rate)), best_rate.shape)
@@ -220,7 +226,7 @@ def plan_draft(
         return DraftPlan(0, 0, 0, 0, none_rate)
     topk, depth = int(topks[k]), int(d) + 1
     size = min(max_nodes, pool_size(depth, topk))
-    return DraftPlan(depth, topk, size, int(best_nodes[k, d]), float(best_rate[k, d]))
+    return DraftPlan(depth, topk, size, int(best_nodes[k, d]), float(best_rate[k, d]), float(best_gain[k, d]))
 
 
 def step_cost(
@@ -244,6 +250,42 @@ def step_cost(
     verify = target if verify is None else verify
     draft_overhead = overhead if draft_overhead is None else draft_overhead
     return float(verify(batch * (1 + plan.per_request))) + draft_seconds(plan, batch, level) + draft_overhead
+
+
+def chains_alone_pay(
+    plan: DraftPlan,
+    reach: np.ndarray,
+    *,
+    target: Cost,
+    level: Cost,
+    overhead: float,
+    verify: Cost | None = None,
+    draft_overhead: float | None = None,
+) -> bool:
+    """Whether the requests' lookup chains sent alone are expected to yield more tokens per second
+    than drafting ``plan`` with the head beside them (the head's levels then go unrun).
+
+    reach: [B, L] float, the probability that each chain position is accepted (with its
+    ancestors), 0 past a chain's end. Either way the allocation sends the chains' best nodes of
+    the batch, as many as pay, so each side is priced at its best count of them. Beside a chain, a
+    request's head tree is worth ``(1 - reach[:, 0]) * plan.gain``: where the chain's first token
+    fails the head's tree stands alone, and where the chain goes on it dominates the head's nodes
+    along it; that side verifies ``plan.per_request`` nodes more per request and drafts ``plan``'s
+    levels. Other arguments as in :func:`plan_draft`.
+    """
+    if not plan.drafts:
+        return True
+    batch = reach.shape[0]
+    verify = target if verify is None else verify
+    draft_overhead = overhead if draft_overhead is None else draft_overhead
+    gain = np.concatenate([[0.0], np.cumsum(np.sort(reach, axis=None)[::-1])])  # by chain nodes sent
+    sent = np.arange(len(gain), dtype=np.float64)
+    alone = (batch + gain) / (verify(batch + sent) + draft_overhead)
+    head = batch + plan.gain * float(np.sum(1.0 - reach[:, 0]))
+    seconds = (
+        verify(batch * (1 + plan.per_request) + sent) + draft_seconds(plan, batch, level) + draft_overhead
+    )
+    return float(alone.max()) >= float(((head + gain) / seconds).max())
 
 
 def draft_seconds(plan: DraftPlan, batch: int, level: Cost) -> float:

@@ -9,7 +9,8 @@ if TYPE_CHECKING:
 
 
 def summarize(budget: AdaptiveBudget) -> dict[str, Any]:
-    """Counters since start: steps, steps without drafts, drafts per step and per request
+    """Counters since start: steps, steps without drafts, steps whose lookup chains went alone where
+    the plan had head levels, drafts per step and per request
     (histograms, keyed by count), draft shapes planned (``d{depth}k{topk}``; ``d0k0`` = none)."""
     total = sum(n * c for n, c in budget.nodes_per_step.items())
     draft_overhead = budget.draft_overhead
@@ -18,6 +19,7 @@ def summarize(budget: AdaptiveBudget) -> dict[str, Any]:
     return {
         "steps": budget.steps,
         "steps_without_drafts": budget.steps_without_drafts,
+        "steps_head_skipped": budget.steps_head_skipped,
         "mean_drafts_per_step": total / budget.steps if budget.steps else 0.0,
         "drafts_per_step": {str(n): c for n, c in sorted(budget.nodes_per_step.items())},
         "drafts_per_request": {str(n): c for n, c in sorted(budget.nodes_per_request.items())},

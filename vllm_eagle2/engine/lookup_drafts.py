@@ -39,6 +39,9 @@ PRIOR_TRIALS = 2.0
 #: tokens). Measured on MT-bench at batch 16 with every chain allowed (matches there are mostly
 #: 1-3 tokens): 0.85x no speculation against 0.94x without lookup chains.
 ALONE_MIN_BUCKET = 3
+#: ``0`` keeps the head's levels beside every chain (the budget never lets confident chains go alone):
+#: what that choice is worth, for the benchmark's ``lookup_head`` row.
+HEAD_SKIP_ENV = "VLLM_EAGLE2_HEAD_SKIP"
 #: Per verification, older counts are multiplied by this (a memory of about 50 steps).
 DISCOUNT = 0.98
 #: The request's last tokens looked up in the output cache: a match longer than the top bucket's
@@ -62,6 +65,12 @@ class LookupDrafts:
         # [2, buckets, L]: discounted trials and acceptances of grafted nodes.
         self.stats = torch.zeros(2, len(MATCH_BUCKETS), length, device=device)
         self._prior = torch.tensor(PRIOR_RATES, device=device).unsqueeze(1)  # [buckets, 1]
+        # The learnt rates on the host, [buckets, L], copied each step: the host prices a step's
+        # chains with the step before's, whose copy has landed with that step's sync.
+        self._rates_host = torch.tensor(PRIOR_RATES).unsqueeze(1).repeat(1, length)
+        if device.type == "cuda":
+            self._rates_host = self._rates_host.pin_memory()
+        self._outlook: tuple[np.ndarray, np.ndarray] = (np.zeros((0, length)), np.zeros(0, np.int64))
         self.sent = torch.zeros((), dtype=torch.long, device=device)  # grafted drafts verified
         self.accepted = torch.zeros((), dtype=torch.long, device=device)  # of them accepted
 
@@ -103,6 +112,7 @@ class LookupDrafts:
         prompt_lens = runner.input_batch.num_prompt_tokens
         tokens = np.full((batch, self.length), -1, dtype=np.int64)
         buckets = np.zeros(batch, dtype=np.int64)
+        lengths = np.zeros(batch, dtype=np.int64)
         found = np.zeros(batch, dtype=bool)
         for i, rid in enumerate(req_ids):
             index, seen = self._indexes.get(rid), self._seen.get(rid, 0)
@@ -124,18 +134,31 @@ class LookupDrafts:
                 if cached[0] > length and cached[1]:
                     (length, continuation), self.cache_chains = cached, self.cache_chains + 1
             tokens[i, : len(continuation)] = continuation
+            lengths[i] = len(continuation)
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
             found[i] = len(continuation) > 0 and buckets[i] >= min_bucket
         if not found.any():
             return None, to_device(np.full(batch, -1, dtype=np.int64), self.device)
         buckets[~found] = -1
         tokens[~found] = -1
+        lengths[~found] = 0
         tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
         trials, accepted = self.stats
-        log_rate = torch.log((accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))
+        rate = (accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)] * (buckets >= 0)[:, None], lengths)
+        self._rates_host.copy_(rate, non_blocking=True)
+        log_rate = torch.log(rate)
         values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
         values = torch.where((tokens_d >= 0) & (buckets_d >= 0).unsqueeze(1), values, float("-inf"))
         return LookupChains(torch.where(values > float("-inf"), tokens_d, -1), values), buckets_d
+
+    def outlook(self, max_nodes: int) -> np.ndarray:
+        """[B, <= max_nodes] host: the probability that each position of the last :meth:`chains`' chains
+        is accepted with its ancestors, 0 past a chain's end; learnt rates up to the step before."""
+        rates, lengths = self._outlook
+        rates = rates[:, :max_nodes]
+        within = np.arange(rates.shape[1]) < lengths[:, None]
+        return np.cumprod(np.where(within, rates, 0.0), axis=1)
 
     def record(
         self,

@@ -18,13 +18,15 @@ With the adaptive budget (the default) the settings are upper bounds: before ste
 at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
 to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
 With ``lookup`` chains a step without head drafts may still send them, as chains, where the
-allocation finds their verification pays: they cost no head pass.
+allocation finds their verification pays: they cost no head pass. Where the chains are confident
+enough that the head's levels would cost more than they add, the budget skips those levels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -33,14 +35,14 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
-from vllm_eagle2.budget.decisions import DraftPlan, fit_level_rows
+from vllm_eagle2.budget.decisions import NO_DRAFTS, DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
-from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, LookupDrafts
+from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
@@ -114,6 +116,7 @@ class Eagle2Proposer(EagleProposer):
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
         self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None
+        self.head_skip = os.environ.get(HEAD_SKIP_ENV, "1") != "0"
         blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
         if blockers:
             logger.warning(
@@ -287,9 +290,16 @@ class Eagle2Proposer(EagleProposer):
             if budget is not None:
                 budget.count_step(plan, [0] * batch)
             return [[] for _ in range(batch)]
+        # Confident chains may leave the head's levels unrun: the budget weighs them alone against
+        # the plan beside them (a batch-wide choice, as a level runs for the whole batch).
+        head_skipped = False
+        if not catch_up_only and chains is not None and budget is not None and self.head_skip:
+            head_skipped = budget.chains_alone_pay(plan, self.lookup.outlook(num_speculative_tokens))
+            if head_skipped:
+                budget.drafting_done(timed=False)  # the root level's mark: only the catch-up ran
 
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
-        if catch_up_only:
+        if catch_up_only or head_skipped:
             tree = lookup_chain_tree(chains, num_speculative_tokens)
             fits = root_pos + 1 + tree.num_nodes <= self.max_model_len
         else:
@@ -318,7 +328,11 @@ class Eagle2Proposer(EagleProposer):
         else:
             budget.drafting_done()
             counts = budget.allocate(
-                plan, tree.scores[:, :n_out], tree.depths[:, :n_out], allowed, grafted[:, :n_out]
+                NO_DRAFTS if head_skipped else plan,
+                tree.scores[:, :n_out],
+                tree.depths[:, :n_out],
+                allowed,
+                grafted[:, :n_out],
             )
             budget.copy_stats()
         sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
@@ -338,7 +352,7 @@ class Eagle2Proposer(EagleProposer):
         drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]
         if budget is not None:
             budget.after_sync()
-            budget.count_step(plan, [len(d) for d in drafts])
+            budget.count_step(plan, [len(d) for d in drafts], head_skipped)
         return drafts
 
     def _run_head(self, cad: Any, num_tokens: int, *, first_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:

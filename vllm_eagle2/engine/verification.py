@@ -18,7 +18,7 @@ Per step, for the requests that carry drafts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -390,11 +390,5 @@ class VerifyCounters:
         self.kv_moves += moved.sum()
 
     def summary(self) -> dict[str, int]:
-        return {
-            "drafts": self.drafts,
-            "branched_steps": self.branched_steps,
-            "tree_rows": self.tree_rows,
-            "narrowed_steps": self.narrowed_steps,
-            "requests_without_drafts": self.requests_without_drafts,
-            "kv_moves": int(self.kv_moves.item()),
-        }
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("device", "kv_moves")}
+        return {**counts, "kv_moves": int(self.kv_moves.item())}

@@ -17,6 +17,8 @@ The same prompts go through, one engine after another (each shut down before the
 * ``defaults``: eagle2 with only ``method`` and ``model`` set, as a new user turns it on;
 * ``lookup`` (only when named): the defaults with ``lookup: --lookup`` (chains from the request's own
   text grafted into every tree; on by default, so ``--lookup 0`` measures the defaults without them);
+* ``lookup_head`` (only when named): the defaults with the head's levels drafted beside every chain,
+  where the budget would let confident chains go alone: what skipping the head is worth;
 * ``never``: eagle2's adaptive budget held at "no drafts" (by step costs that make every draft
   a loss): what a step that decides not to draft costs against ``nospec``;
 * ``chain``, ``static``, ``dynamic``, ``no_value``, ``no_rerank``: eagle2's tree modes
@@ -148,7 +150,7 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
         "--modes",
         default=",".join(DEFAULT_MODES),
         help=f"comma list of {', '.join(ALL_MODES)} "
-        "(default: all but eagle3*, ngram, suffix, lookup, nospec_sync, nospec_vec)",
+        "(default: all but eagle3*, ngram, suffix, lookup*, nospec_sync, nospec_vec)",
     )
     p.add_argument("--eagle3-head", type=Path, default=None, help="EAGLE-3 head folder for the eagle3 modes")
     p.add_argument("--eagle-k", type=_int_list, default=[1, 2, 3, 4, 5, 6], help="built-in eagle k list")

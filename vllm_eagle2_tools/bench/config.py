@@ -32,6 +32,7 @@ ALL_MODES = (
     *LOOKUP_MODES,
     "defaults",
     "lookup",
+    "lookup_head",
     "never",
     *TREE_MODES,
 )
@@ -222,6 +223,13 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
                 plan.append(Run("eagle3_trees", f"{run.label} (EAGLE-3 head)", bs, run.spec))
         elif mode in ("defaults", "never"):
             plan.append(eagle2_run(mode, head, bs, m, d, k))
+        elif mode == "lookup_head":
+            from vllm_eagle2.engine.lookup_drafts import HEAD_SKIP_ENV  # torch: not at import
+
+            label, keep = "eagle2 defaults, head beside every chain", {"env": {HEAD_SKIP_ENV: "0"}}
+            plan.append(
+                Run("lookup_head", label, bs, {"method": "eagle2", "model": str(head)}, engine_kwargs=keep)
+            )
         elif mode == "lookup":
             spec = {"method": "eagle2", "model": str(head), "lookup": args.lookup}
             label = f"eagle2 defaults + lookup {args.lookup}" if args.lookup else "eagle2 defaults, no lookup"

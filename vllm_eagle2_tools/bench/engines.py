@@ -45,6 +45,7 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
     return {
         "steps": steps,
         "steps_without_drafts": after["steps_without_drafts"] - before["steps_without_drafts"],
+        "steps_head_skipped": after["steps_head_skipped"] - before["steps_head_skipped"],
         "mean_drafts_per_step": mean_drafts_per_step(hist, steps),
         "drafts_per_step": {k: v for k, v in hist.items() if v},
         "shapes": {k: v for k, v in shapes.items() if v},

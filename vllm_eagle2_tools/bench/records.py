@@ -91,6 +91,7 @@ def _budget_sum(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return {
         "steps": steps,
         "steps_without_drafts": sum(b["steps_without_drafts"] for b in have),
+        "steps_head_skipped": sum(b.get("steps_head_skipped", 0) for b in have),
         "mean_drafts_per_step": mean_drafts_per_step(hist, steps),
         "drafts_per_step": hist,
         "shapes": dict(sum((Counter(b["shapes"]) for b in have), Counter())),
