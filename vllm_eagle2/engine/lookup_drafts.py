@@ -9,6 +9,8 @@ Only with ``speculative_config.lookup`` > 0 (the chain length L). Per step:
   text, then this step's), and gives the continuation of its longest repeated suffix. A chain's
   value at position i is the summed log of the acceptance rate learned for chains of its match
   length at positions 0..i: the tree (:mod:`vllm_eagle2.graft`) weighs it against the head's nodes.
+* :meth:`LookupDrafts.outlook` (host, right after): the same chains as acceptance probabilities by
+  position, from the rates of the step before, for the budget's choice to leave the head's levels unrun.
 * :meth:`LookupDrafts.record` (in verification): per match-length bucket and chain position,
   how often a grafted node was reached (its parent accepted) and accepted; discounted each step.
 
