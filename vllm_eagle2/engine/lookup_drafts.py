@@ -147,7 +147,7 @@ class LookupDrafts:
         tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
         trials, accepted = self.stats
         rate = (accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
-        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)] * (buckets >= 0)[:, None], lengths)
+        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)], lengths)  # no chain: length 0
         self._rates_host.copy_(rate, non_blocking=True)
         log_rate = torch.log(rate)
         values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
