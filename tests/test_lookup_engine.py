@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import acceptance_length, assert_trees_exercised, run_llm
 from test_engine_lossless import greedy, greedy_reference, tokens_of
-from test_sampling_lossless import NUM_SAMPLES, STEP_COSTS, _sharpen_the_verifier, homogeneity_pvalue
+from test_sampling_lossless import NUM_SAMPLES, _sharpen_the_verifier, homogeneity_pvalue
 
 from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2_tools.testing import build_eagle_head, build_pair
@@ -74,14 +74,6 @@ def test_greedy_trees_with_lookup_chains_equal_no_speculation(pair, prompts, ref
     assert_trees_exercised(metrics)
 
 
-def test_the_adaptive_budget_with_lookup_chains_equals_no_speculation(pair, prompts, reference, monkeypatch):
-    monkeypatch.setenv(COSTS_ENV, STEP_COSTS)  # costs under which a few nodes per request pay
-    target, head = pair
-    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
-    assert tokens_of(outputs) == reference()
-    assert_lookup_exercised(metrics)
-
-
 #: Head levels cost a second each, verified tokens next to nothing: the budget plans no head drafts.
 HEAD_NEVER_PAYS = '{"target": [0.02, 0.0001], "level": [1.0, 0.0], "overhead": 0.002}'
 
@@ -102,13 +94,16 @@ def test_steps_whose_head_drafts_nothing_still_send_lookup_chains(pair, prompts,
 HEAD_LEVELS_DEAR = '{"target": [0.02, 0.0005], "level": [0.005, 0.0001], "overhead": 0.002}'
 
 
-def test_confident_chains_leave_the_head_levels_unrun_and_the_output_exact(
-    pair, prompts, reference, monkeypatch
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_the_adaptive_budget_leaves_the_head_levels_unrun_beside_sure_chains_and_the_output_exact(
+    pair, prompts, reference, monkeypatch, mode
 ):
+    """The adaptive budget with lookup chains: steps where the head drafts beside the chains, and steps
+    where confident chains go alone."""
     monkeypatch.setenv(COSTS_ENV, HEAD_LEVELS_DEAR)
     target, head = pair
-    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
-    assert tokens_of(outputs) == reference()
+    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy(), compiled=mode == "compiled")
+    assert tokens_of(outputs) == reference(mode)
     assert_lookup_exercised(metrics)
     stats, budget = metrics["eagle2"], metrics["eagle2_budget"]
     assert budget["steps_head_skipped"] > 0, budget
@@ -151,8 +146,9 @@ def loop_prompt(prompts, reference) -> list[dict]:
     return [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + reference()[0]}]
 
 
-def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> np.ndarray:
-    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1; with ``spec``, lookup drafts accepted."""
+def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> tuple[np.ndarray, dict]:
+    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1, and the engine's metrics; with ``spec``,
+    lookup drafts accepted."""
     from vllm import SamplingParams
 
     params = [
@@ -162,12 +158,12 @@ def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> np.ndar
     outputs, metrics = run_llm(target, spec, prompt * NUM_SAMPLES, params, max_num_seqs=32)
     if spec is not None:
         assert_lookup_exercised(metrics)
-    return np.array(tokens_of(outputs))
+    return np.array(tokens_of(outputs)), metrics
 
 
 @pytest.fixture(scope="module")
 def plain_loop_samples(pair, loop_prompt) -> np.ndarray:
-    return loop_samples(pair[0], None, loop_prompt)
+    return loop_samples(pair[0], None, loop_prompt)[0]
 
 
 def pvalues(a: np.ndarray, b: np.ndarray) -> list[float]:
@@ -179,7 +175,16 @@ def test_sampled_tokens_with_lookup_chains_follow_the_target_distribution(
     pair, loop_prompt, plain_loop_samples
 ):
     spec = eagle2(pair[1], budget="fixed", lookup=8)
-    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt))) > 1e-3
+    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt)[0])) > 1e-3
+
+
+def test_sampled_tokens_follow_the_target_distribution_where_sure_chains_go_alone(
+    pair, loop_prompt, plain_loop_samples, monkeypatch
+):
+    monkeypatch.setenv(COSTS_ENV, HEAD_LEVELS_DEAR)
+    samples, metrics = loop_samples(pair[0], eagle2(pair[1], lookup=8), loop_prompt)
+    assert metrics["eagle2_budget"]["steps_head_skipped"] > 0, metrics["eagle2_budget"]
+    assert min(pvalues(plain_loop_samples, samples)) > 1e-3
 
 
 def test_a_biased_verifier_fails_the_same_test_with_lookup_chains(
@@ -187,4 +192,4 @@ def test_a_biased_verifier_fails_the_same_test_with_lookup_chains(
 ):
     _sharpen_the_verifier(monkeypatch)
     spec = eagle2(pair[1], budget="fixed", lookup=8)
-    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt))) < 1e-4
+    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt)[0])) < 1e-4

@@ -271,10 +271,9 @@ def chains_alone_pay(
     request's head tree is worth ``(1 - reach[:, 0]) * plan.gain``: where the chain's first token
     fails the head's tree stands alone, and where the chain goes on it dominates the head's nodes
     along it; that side verifies ``plan.per_request`` nodes more per request and drafts ``plan``'s
-    levels. Other arguments as in :func:`plan_draft`.
+    levels. ``plan`` drafts (a plan without drafts has no levels to leave unrun). Other arguments as in
+    :func:`plan_draft`.
     """
-    if not plan.drafts:
-        return True
     batch = reach.shape[0]
     verify = target if verify is None else verify
     draft_overhead = overhead if draft_overhead is None else draft_overhead

@@ -114,7 +114,6 @@ class LookupDrafts:
         prompt_lens = runner.input_batch.num_prompt_tokens
         tokens = np.full((batch, self.length), -1, dtype=np.int64)
         buckets = np.zeros(batch, dtype=np.int64)
-        lengths = np.zeros(batch, dtype=np.int64)
         found = np.zeros(batch, dtype=bool)
         for i, rid in enumerate(req_ids):
             index, seen = self._indexes.get(rid), self._seen.get(rid, 0)
@@ -136,18 +135,16 @@ class LookupDrafts:
                 if cached[0] > length and cached[1]:
                     (length, continuation), self.cache_chains = cached, self.cache_chains + 1
             tokens[i, : len(continuation)] = continuation
-            lengths[i] = len(continuation)
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
             found[i] = len(continuation) > 0 and buckets[i] >= min_bucket
         if not found.any():
             return None, to_device(np.full(batch, -1, dtype=np.int64), self.device)
         buckets[~found] = -1
         tokens[~found] = -1
-        lengths[~found] = 0
         tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
         trials, accepted = self.stats
         rate = (accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
-        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)], lengths)  # no chain: length 0
+        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)], (tokens >= 0).sum(1))
         self._rates_host.copy_(rate, non_blocking=True)
         log_rate = torch.log(rate)
         values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
