@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -567,6 +568,92 @@ def test_data_parallel_moe_targets_are_refused_at_start_up(models, monkeypatch):
     )
     with pytest.raises(Eagle2ConfigError, match="data_parallel_size > 1 with a mixture-of-experts target"):
         args.create_engine_config()
+
+
+class UppercaseLogits:
+    """An engine-wide logits processor, as a user passes one (never run: the engine is refused)."""
+
+
+@pytest.mark.parametrize(
+    "engine, patch, words",
+    [
+        (dict(logits_processors=[UppercaseLogits]), None, "engine-wide logits processors"),
+        ({}, "uses_mrope", "multi-axis rotary positions (M-RoPE"),
+    ],
+    ids=["logits-processors", "mrope"],
+)
+def test_what_the_tree_verifier_cannot_apply_is_refused_before_weights_load(
+    models, monkeypatch, engine, patch, words
+):
+    from vllm.config import ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    if patch:
+        monkeypatch.setattr(ModelConfig, patch, property(lambda self: True))
+    args = EngineArgs(
+        model=str(models["target"]),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        speculative_config=eagle2(models["head"], **KNOBS),
+        **engine,
+    )
+    with pytest.raises(Eagle2ConfigError, match=re.escape(words)):
+        args.create_engine_config()
+
+
+def test_an_unknown_speculative_config_key_is_named_with_eagle2s_keys_and_vllms(models):
+    with pytest.raises(Eagle2ConfigError) as failure:
+        engine_config(models["target"], eagle2(models["head"], **KNOBS, depht=3))
+    message = str(failure.value)
+    assert (
+        "'depht'" in message
+        and "depth, topk, tree, budget" in message
+        and "num_speculative_tokens" in message
+    )
+
+
+def test_diffkv_attention_backends_are_refused_when_the_layers_load():
+    from vllm_eagle2.engine import attention
+
+    class FlashAttentionDiffKVImpl:  # vLLM's FLASH_ATTN_DIFFKV: keys and values of different head sizes
+        def forward(self, *args, **kwargs):
+            return None
+
+    with pytest.raises(RuntimeError, match="does not read the KV cache of FlashAttentionDiffKVImpl"):
+        attention.wrap_attention_layers(
+            {"model.layers.0.attn": SimpleNamespace(impl=FlashAttentionDiffKVImpl())}
+        )
+
+
+def test_kernel_blocks_that_split_the_managers_blocks_are_refused():
+    from vllm_eagle2.engine.attention import check_kernel_blocks
+
+    check_kernel_blocks([128, 16], [128, 16])  # whole blocks: accepted
+    with pytest.raises(RuntimeError, match="group 1 keeps blocks of 256 tokens .* blocks of 64"):
+        check_kernel_blocks([16, 256], [16, 64])
+
+
+@pytest.mark.parametrize(
+    "raw, value", [(None, True), ("1", True), ("On", True), ("0", False), ("false", False)]
+)
+def test_the_head_skip_switch_reads_the_usual_on_off_words(monkeypatch, raw, value):
+    from vllm_eagle2.config import env_flag
+
+    if raw is None:
+        monkeypatch.delenv("VLLM_EAGLE2_HEAD_SKIP", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_EAGLE2_HEAD_SKIP", raw)
+    assert env_flag("VLLM_EAGLE2_HEAD_SKIP", default=True) is value
+
+
+@pytest.mark.parametrize("raw", ["", "of", "2"])
+def test_the_head_skip_switch_refuses_other_words_naming_the_variable(monkeypatch, raw):
+    from vllm_eagle2.config import env_flag
+
+    monkeypatch.setenv("VLLM_EAGLE2_HEAD_SKIP", raw)
+    with pytest.raises(Eagle2ConfigError, match="VLLM_EAGLE2_HEAD_SKIP must be one of 1, true, on, yes, 0"):
+        env_flag("VLLM_EAGLE2_HEAD_SKIP", default=True)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ here, validates everything that can be checked without weights, and hands the re
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,24 @@ EXTRA_KEYS = ("depth", "topk", "tree", "budget", "draft_vocab_size", "lookup", "
 
 class Eagle2ConfigError(ValueError):
     """An invalid eagle2 setting; the message names the field and what is allowed."""
+
+
+_FLAG_VALUES = {
+    **dict.fromkeys(("1", "true", "on", "yes"), True),
+    **dict.fromkeys(("0", "false", "off", "no"), False),
+}
+
+
+def env_flag(name: str, *, default: bool) -> bool:
+    """An on/off environment variable: unset is ``default``; 1/true/on/yes or 0/false/off/no
+    (any case); anything else is an Eagle2ConfigError naming the variable and those values."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = _FLAG_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise Eagle2ConfigError(f"{name} must be one of {', '.join(_FLAG_VALUES)}; got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True)

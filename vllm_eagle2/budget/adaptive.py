@@ -27,7 +27,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_eagle2.budget.costs import Clock, CostCurve, ScaledCurve, calibrate_curves, fixed_costs, set_linear
+from vllm_eagle2.budget.costs import (
+    Agree,
+    Clock,
+    CostCurve,
+    ScaledCurve,
+    calibrate_curves,
+    fixed_costs,
+    same_everywhere,
+    set_linear,
+)
 from vllm_eagle2.budget.decisions import (
     NO_DRAFTS,
     AcceptanceModel,
@@ -111,6 +120,11 @@ class AdaptiveBudget:
             set_linear(self.verify, *self.fixed["target"])
             set_linear(self.level, *self.fixed["level"])
             self.overhead = self.fixed["overhead"]
+            self.draft_overhead = self.fixed.get("draft_overhead")
+        # Under tensor parallelism every rank must decide alike (a level runs the head's collectives;
+        # counts shape the masks): each step's prices are rank 0's (:meth:`plan`), frozen for the step.
+        self.agree: Agree = same_everywhere
+        self._prices: dict[str, Any] | None = None
         self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}
         self._sent: dict[int, float] = {}
         self._step = 0
@@ -140,12 +154,19 @@ class AdaptiveBudget:
         skipped with fixed costs. ``time_target(tokens)`` / ``time_level(rows)`` run one pass."""
         if self.fixed is None:
             calibrate_curves(
-                {self.target: time_target, self.level: time_level}, also=(self.target, self.verify)
+                {self.target: time_target, self.level: time_level},
+                also=(self.target, self.verify),
+                agree=self.agree,
             )
 
     def step_started(self, tokens: int, prompt_tokens: int = 0) -> None:
         """The runner starts a step over ``tokens`` scheduled tokens, ``prompt_tokens`` of them
         prompt (prefill chunks), the rest one per decoding request and its drafts."""
+        # The last step's timings first, drafting or not: on CUDA its events have passed by now (vLLM
+        # synced on its sampled tokens). Resolved only after drafting steps, a step without drafts
+        # left its target pass unresolved, so its overhead learnt the whole pass (and the pending
+        # events piled up).
+        self.clock.resolve()
         now = time.perf_counter()
         if self._step_host is not None and self.fixed is None:
             self._observe_overheads(now)
@@ -293,6 +314,10 @@ class AdaptiveBudget:
         return torch.cat([mass.new_ones(1), (accepted + 1.0) / (mass + 1.0)])
 
     # -- decisions -----------------------------------------------------------------------------
+    def _step_prices(self) -> dict[str, Any]:
+        """The prices :meth:`plan` froze for this step (the current ones before any plan)."""
+        return self._prices if self._prices is not None else self._costs()
+
     def _costs(self) -> dict[str, Any]:
         """The cost model as :func:`plan_draft` and :func:`step_cost` take it."""
         speed, drafting = self.speed, self.drafting_speed
@@ -312,15 +337,39 @@ class AdaptiveBudget:
             "draft_overhead": draft_overhead + speed * self.between,
         }
 
+    def cost_state(self) -> np.ndarray:
+        """Everything the budget has learnt from timings, as one float64 vector (NaN = unset)."""
+        draft_overhead = np.nan if self.draft_overhead is None else self.draft_overhead
+        scalars = [self.speed, self.drafting_speed, self.overhead, draft_overhead, self.between]
+        curves = [curve.state() for curve in (self.target, self.verify, self.level)]
+        return np.concatenate([np.array(scalars, dtype=np.float64), *curves])
+
+    def load_cost_state(self, state: np.ndarray) -> None:
+        """Take another budget's :meth:`cost_state` (the same settings)."""
+        self.speed, self.drafting_speed, self.overhead, draft_overhead, self.between = (
+            float(x) for x in state[:5]
+        )
+        self.draft_overhead = None if np.isnan(draft_overhead) else draft_overhead
+        curves = (self.target, self.verify, self.level)
+        parts = np.split(state[5:], np.cumsum([3 * len(curve.knots) for curve in curves])[:-1])
+        for curve, part in zip(curves, parts):
+            curve.load_state(part)
+
     def plan(self, batch: int) -> DraftPlan:
         """This step's draft shape for ``batch`` requests.
 
         Cached per batch size for ``REPLAN_STEPS`` steps, unless the cost model now prices the
         cached plan, or a step without drafts, ``REPLAN_DRIFT`` away from what it did when it
         chose: a plan chosen on a price the first steps proved wrong is dropped at once.
+
+        First every rank takes rank 0's learnt costs (``agree``), and the step's prices are frozen:
+        the plan, :meth:`chains_alone_pay` and :meth:`allocate` then decide alike on every rank, from
+        host state that is the same everywhere and device state that vLLM keeps the same.
         """
         self._step += 1
-        costs = self._costs()
+        if self.fixed is None and self.agree is not same_everywhere:
+            self.load_cost_state(self.agree(self.cost_state()))
+        costs = self._prices = self._costs()
         cached = self._plans.get(batch)
         if cached is not None and self._step - cached[0] < REPLAN_STEPS:
             step, plan, planned, planned_none = cached
@@ -347,7 +396,7 @@ class AdaptiveBudget:
 
     def chains_alone_pay(self, plan: DraftPlan, reach: np.ndarray) -> bool:
         """Whether lookup chains ([B, L] ``reach``) alone beat ``plan`` beside them (decisions)."""
-        return chains_alone_pay(plan, reach, **self._costs())
+        return chains_alone_pay(plan, reach, **self._step_prices())
 
     def allocate(
         self, plan: DraftPlan, values: Tensor, depths: Tensor, allowed: Tensor, grafted: Tensor | None = None
@@ -355,12 +404,15 @@ class AdaptiveBudget:
         """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`; ``grafted``:
         [B, N] bool lookup nodes or None)."""
         batch, n = values.shape
-        costs = self._costs()
+        costs = self._step_prices()
         j = np.arange(batch * n + 1, dtype=np.float64)
         seconds = costs["verify"](batch + j) + costs["draft_overhead"]
         # Sending no drafts after all spares the next step its verification.
         seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
         seconds = seconds + draft_seconds(plan, batch, costs["level"])
+        # More verified tokens never cost less: the overheads of the two kinds of step are learnt
+        # apart, and priced below none, a draft that gains nothing looked worth sending.
+        seconds = np.maximum.accumulate(seconds)
         step_seconds = to_device(seconds.astype(np.float32), values.device)
         return allocate_nodes(values, depths, allowed, self.correction(), step_seconds, grafted)
 

@@ -7,7 +7,8 @@ by a :class:`Clock` (CUDA events on GPUs, resolved after the step's one host syn
 
 ``VLLM_EAGLE2_STEP_COSTS='{"target": [a, b], "level": [a, b], "overhead": s}'`` replaces the
 measured costs by fixed linear ones (seconds = a + b * tokens): no calibration, no online
-updates. For tests and for what-if runs; the engine never needs it.
+updates; ``"draft_overhead"`` (default: ``overhead``) prices a drafting step's own apart. For tests
+and for what-if runs; the engine never needs it.
 """
 
 from __future__ import annotations
@@ -130,6 +131,15 @@ class CostCurve:
         slope = max((y[-1] - y[-2]) / (self.knots[-1] - self.knots[-2]), 0.0) if len(y) > 1 else y[0]
         return np.where(t > self.knots[-1], y[-1] + slope * (t - self.knots[-1]), inside)
 
+    def state(self) -> np.ndarray:
+        """[3 * knots] float64: calibrated knots, live knots (NaN = unset) and their weights."""
+        return np.concatenate([self._base, self._live, self._weight])
+
+    def load_state(self, state: np.ndarray) -> None:
+        """Take another curve's :meth:`state` (same knots)."""
+        self._base, self._live, self._weight = (np.array(part) for part in np.split(state, 3))
+        self._values = None
+
     def observe(self, tokens: float, seconds: float) -> None:
         """Move the curve at ``tokens`` towards ``seconds``: a running mean per knot.
 
@@ -187,9 +197,12 @@ def fixed_costs() -> dict[str, Any] | None:
             a, b = costs[name]
             costs[name] = (float(a), float(b))
         costs["overhead"] = float(costs.get("overhead", 0.0))
+        if costs.get("draft_overhead") is not None:
+            costs["draft_overhead"] = float(costs["draft_overhead"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(
-            f'{COSTS_ENV} must be JSON like {{"target": [a, b], "level": [a, b], "overhead": s}}; got {raw!r}'
+            f'{COSTS_ENV} must be JSON like {{"target": [a, b], "level": [a, b], "overhead": s, '
+            f'"draft_overhead": s}} (the last two optional); got {raw!r}'
         ) from exc
     return costs
 
@@ -231,16 +244,35 @@ def set_linear(curve: CostCurve, a: float, b: float) -> None:
         curve.set(int(knot), a + b * knot)
 
 
-def calibrate_curves(runs: dict[CostCurve, Callable[[int], float]], also: Iterable[CostCurve] = ()) -> None:
+#: Makes host values the same on every tensor-parallel rank: rank 0's, broadcast
+#: (:func:`vllm_eagle2.engine.ranks.rank_agreement`); the identity with one rank.
+Agree = Callable[[np.ndarray], np.ndarray]
+
+
+def same_everywhere(values: np.ndarray) -> np.ndarray:
+    """The :data:`Agree` of an engine with one rank."""
+    return values
+
+
+def calibrate_curves(
+    runs: dict[CostCurve, Callable[[int], float]],
+    also: Iterable[CostCurve] = (),
+    agree: Agree = same_everywhere,
+) -> None:
     """Time each curve's pass at 1, 2, 4, ... tokens, the best of two, until a pass takes longer
     than ``CALIBRATION_PASS_S`` past ``CALIBRATION_MIN_TOKENS``; ``runs[curve](tokens)`` runs one
-    pass and returns its seconds. ``also``: (source, copy) curves, the copy set as the source is."""
+    pass and returns its seconds. ``also``: (source, copy) curves, the copy set as the source is.
+
+    Each knot's seconds go through ``agree``: under tensor parallelism every rank then sets the same
+    knots and stops after the same pass. A pass runs the model's collectives, so ranks that timed
+    alone and stopped apart paired every later collective with the wrong one (wrong output from the
+    first token, or a hang)."""
     start = time.perf_counter()
     source, copy = tuple(also) or (None, None)
     for curve, run in runs.items():
         run(1)  # warm-up
         for knot in curve.knots:
-            seconds = min(run(int(knot)) for _ in range(2))
+            seconds = float(agree(np.array([min(run(int(knot)) for _ in range(2))]))[0])
             curve.set(int(knot), seconds)
             if curve is source:
                 copy.set(int(knot), seconds)

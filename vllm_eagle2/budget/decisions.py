@@ -316,26 +316,36 @@ def allocate_nodes(
     keeps a prefix, which :func:`vllm_eagle2.tree.build_dynamic_tree` guarantees is a tree.
     Fixed shapes and no host reads.
 
+    ``allowed`` is a constraint, not a price: a node it rules out is never kept, whatever
+    ``step_seconds`` says (priced as zero gain, it was kept wherever more verified tokens were
+    priced below fewer).
+
     Args:
         values: [B, N] float, the nodes' path log-probabilities, best first per row.
         depths: [B, N] int64, 1 = child of the root.
-        allowed: [B] bool, False = the request takes no drafts.
+        allowed: [B] bool (False = the request takes no drafts) or [B, N] bool per node (False =
+            the node, and so every node after it in its row, is not sent).
         correction: [D + 1] float, accepted per unit of exp(value) at each depth (D >= max depth).
         step_seconds: [B * N + 1] float, predicted seconds of a step verifying j drafts in all.
         grafted: [B, N] bool, nodes of lookup chains, whose values are already acceptance
             estimates (no correction; they may lie deeper than the head drafts).
     """
     batch, n = values.shape
+    if allowed.dim() == 1:
+        allowed = allowed.unsqueeze(1).expand(batch, n)
+    else:  # a row sends a prefix: a node is allowed only with every node before it
+        allowed = torch.cummin(allowed.to(torch.int8), dim=1).values.bool()
     scale = correction[depths.clamp(max=correction.shape[0] - 1)]
     if grafted is not None:
         scale = torch.where(grafted, 1.0, scale)
     gain = (scale * values.float().exp()).clamp(0.0, 1.0)
-    gain = torch.cummin(gain, dim=1).values * allowed.unsqueeze(1)
-    flat = gain.flatten()
-    order = torch.sort(flat, descending=True, stable=True)
-    cum = torch.cat([flat.new_zeros(1), order.values.cumsum(0)])
+    gain = torch.cummin(gain, dim=1).values
+    # Ruled-out nodes sort after every allowed one, and no count reaches them.
+    order = torch.sort(torch.where(allowed, gain, -1.0).flatten(), descending=True, stable=True)
+    cum = torch.cat([gain.new_zeros(1), order.values.clamp(min=0.0).cumsum(0)])
     rate = (batch + cum) / step_seconds.to(cum)
-    keep = torch.argmax(rate)  # the first best: ties go to fewer nodes
+    sendable = torch.arange(batch * n + 1, device=values.device) <= allowed.sum()
+    keep = torch.argmax(torch.where(sendable, rate, -torch.inf))  # the first best: ties go to fewer nodes
     rank = torch.empty_like(order.indices)
     rank[order.indices] = torch.arange(batch * n, device=values.device)
     return (rank.view(batch, n) < keep).sum(dim=1)

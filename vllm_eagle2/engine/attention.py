@@ -134,6 +134,11 @@ def tree_batch(batch: TreeBatch | None = None) -> Iterator[TreeForward]:
 
 def _layout_of(impl: Any) -> str:
     name = type(impl).__name__
+    if "DiffKV" in name:  # FLASH_ATTN_DIFFKV / TRITON_ATTN_DIFFKV keep K and V in another layout
+        raise RuntimeError(
+            f"eagle2 tree attention does not read the KV cache of {name} (keys and values of different "
+            "head sizes); start vLLM with --attention-backend FLASH_ATTN or TRITON_ATTN, or without eagle2"
+        )
     if name.startswith("CPUAttention"):
         return "cpu"
     if name.startswith(("FlashAttention", "TritonAttention")):
@@ -254,6 +259,24 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
         if stock_update is not None:
             impl.do_kv_cache_update = do_kv_cache_update
         impl._eagle2_wrapped = True
+
+
+def check_kernel_blocks(manager_block_sizes: list[int], kernel_block_sizes: list[int] | None) -> None:
+    """Refuse kernel blocks that split the KV manager's blocks (vLLM 0.32 splits them for some
+    backends and hybrid models): tree attention and the K/V moves index the manager's block table.
+
+    manager_block_sizes / kernel_block_sizes: per KV-cache group, tokens per block.
+
+    Raises:
+        RuntimeError: naming the group and both sizes.
+    """
+    for group, (manager, kernel) in enumerate(zip(manager_block_sizes, kernel_block_sizes or [])):
+        if manager != kernel:
+            raise RuntimeError(
+                f"eagle2 does not support split KV-cache blocks: group {group} keeps blocks of {manager} "
+                f"tokens that the attention kernels read as blocks of {kernel}. Set --block-size {kernel} "
+                "(a block size the attention backend takes whole), or serve without eagle2."
+            )
 
 
 def tree_caches(layers: dict[str, Any]) -> list[AttentionCache]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -36,13 +35,14 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
 from vllm_eagle2.budget.decisions import NO_DRAFTS, DraftPlan, fit_level_rows
-from vllm_eagle2.config import Eagle2Settings
+from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
+from vllm_eagle2.engine.ranks import rank_agreement
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
@@ -86,7 +86,10 @@ class Eagle2Proposer(EagleProposer):
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # vLLM's proposer does not keep it; we read the batch's request ids
         self.settings: Eagle2Settings = vllm_config.speculative_config.eagle2
-        self.max_model_len = vllm_config.model_config.max_model_len
+        # The head's own limit where it is shorter (vLLM's ``effective_drafter_max_model_len``): its
+        # positions past it are not defined. Requests near it stop drafting, the others go on.
+        limit = vllm_config.model_config.max_model_len
+        self.max_model_len = getattr(runner, "effective_drafter_max_model_len", limit)
         self.proposed: ProposedTrees | None = None
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
@@ -110,13 +113,14 @@ class Eagle2Proposer(EagleProposer):
                 max_tokens=sched.max_num_batched_tokens,
                 device=device,
             )
+            self.budget.agree = rank_agreement()
         self._full_plan = DraftPlan(
             depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
         self.counters = VerifyCounters(device)
         self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None
-        self.head_skip = os.environ.get(HEAD_SKIP_ENV, "1") != "0"
+        self.head_skip = env_flag(HEAD_SKIP_ENV, default=True)
         blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
         if blockers:
             logger.warning(
@@ -127,6 +131,15 @@ class Eagle2Proposer(EagleProposer):
             )
 
     # -- model ---------------------------------------------------------------------------
+    def initialize_attn_backend(
+        self, kv_cache_config: Any, kernel_block_sizes: list[int] | None = None
+    ) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        # vLLM lists kernel block sizes for every group but encoder-only ones.
+        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        sizes = [spec.block_size for spec in specs if type(spec).__name__ != "EncoderOnlyAttentionSpec"]
+        attention.check_kernel_blocks(sizes, kernel_block_sizes)
+
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
         layers = self.vllm_config.compilation_config.static_forward_context
@@ -319,12 +332,13 @@ class Eagle2Proposer(EagleProposer):
         tokens = tree.tokens
         grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
 
-        # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible.
+        # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible,
+        # and never a node without a token (a row without a chain, in a step of chains alone).
         n_out = min(num_speculative_tokens, tree.num_nodes)
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
-        allowed = fits & to_device(eligible, fits.device)
+        allowed = (fits & to_device(eligible, fits.device)).unsqueeze(1) & (tokens[:, :n_out] >= 0)
         if budget is None:
-            counts = allowed.long() * n_out
+            counts = torch.cummin(allowed.to(torch.int8), dim=1).values.sum(dim=1)
         else:
             budget.drafting_done()
             counts = budget.allocate(

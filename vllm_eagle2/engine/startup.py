@@ -100,3 +100,43 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: Any) -> None:
             proposer.num_speculative_tokens = saved
 
     proposer.budget.calibrate(time_target, time_level)
+
+
+def verification_peak(runner: Any) -> tuple[int, int, int]:
+    """The widest verification a step of this engine can run: (requests, draft width, logits rows).
+
+    Requests up to ``max_num_seqs``; the width the verifier pads to is at most
+    ``num_speculative_tokens`` (:func:`vllm_eagle2.engine.verification._verify_width`); the step's
+    logits hold one row per scheduled token, at most ``max_num_batched_tokens``."""
+    batch, width = runner.max_num_reqs, runner.num_spec_tokens
+    return batch, width, min(batch * (width + 1), runner.max_num_tokens)
+
+
+def profile_verification(runner: Any, vocab: int) -> None:
+    """Run the tree verifier once at :func:`verification_peak`, sampled with top-k and top-p, beside
+    K/V kept for every tree row, inside vLLM's memory profile (its ``_dummy_sampler_run``).
+
+    A step's verification holds the step's logits [rows, V], their gather [B, N + 1, V], the sampler's
+    top-k / top-p groups and a copy of every tree row's K/V per target layer: at B=256, N=64 and a
+    128k vocabulary, gigabytes that vLLM's profile of its own sampler never sees, so they came out
+    of the KV cache's share mid-serving. Run here, they are reserved before the cache is sized.
+    """
+    from vllm_eagle2.verify.verifier import verify_tree
+
+    batch, width, rows = verification_peak(runner)
+    device = runner.device
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    kept = sum(
+        2 * layers[name].impl.num_kv_heads * layers[name].impl.head_size
+        for name in runner.drafter.target_attn_layer_names
+    )
+    kept_kv = torch.empty(min(batch * width, rows) * kept, dtype=runner.dtype, device=device)
+    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device)
+    row_idx = torch.arange(batch * (width + 1), device=device).view(batch, width + 1) % rows
+    tokens = torch.randint(vocab, (batch, width), device=device)
+    chain = (torch.arange(width, device=device) - 1).expand(batch, width)
+    full = lambda value: torch.full((batch,), value, device=device)  # noqa: E731
+    verify_tree(
+        tokens, chain, logits[row_idx], temperature=full(0.5), top_k=full(vocab - 1).long(), top_p=full(0.9)
+    )
+    del kept_kv, logits

@@ -48,8 +48,10 @@ class Eagle2Step:
     hidden_states: the target's hidden-state rows (and an EAGLE-3 head's auxiliary ones),
         [T, H] each, that the drafter's catch-up pass reads; the verifier reorders their rows
         like the accepted tokens.
+    drafted: the drafter ran this step (else vLLM's drafts are zero-filled, and none are sent).
     """
 
     forward: TreeForward | None = None
     verify: VerifyStep | None = None
     hidden_states: list[torch.Tensor] = field(default_factory=list)
+    drafted: bool = False

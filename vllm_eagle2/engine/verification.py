@@ -194,6 +194,7 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
     counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
     tokens, valid, n = _padded_drafts(meta, device, _verify_width(runner, meta.num_draft_tokens))
     trees = _matched_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
+    runner.drafter.counters.count_unmatched(valid & ~trees.known)
     width = tokens.shape[1]
     row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
     row_start = to_device(row_start_host, device)
@@ -378,9 +379,15 @@ class VerifyCounters:
     narrowed_steps: int = 0  # steps whose topk was cut so that a level fits max_num_batched_tokens
     requests_without_drafts: int = 0  # requests whose sampling the verifier does not reproduce
     kv_moves: torch.Tensor | None = None  # accepted off-chain nodes whose K/V was moved
+    # Drafts verified that no proposed tree holds (zero-filled or stale drafts): 0 in a healthy engine.
+    unmatched_drafts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.kv_moves = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.unmatched_drafts = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def count_unmatched(self, unmatched: torch.Tensor) -> None:
+        self.unmatched_drafts += unmatched.sum()
 
     def count_tree_rows(self, requests: int, rows: int) -> None:
         self.branched_steps += requests > 0
@@ -390,5 +397,6 @@ class VerifyCounters:
         self.kv_moves += moved.sum()
 
     def summary(self) -> dict[str, int]:
-        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("device", "kv_moves")}
-        return {**counts, "kv_moves": int(self.kv_moves.item())}
+        devices = ("kv_moves", "unmatched_drafts")
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("device", *devices)}
+        return {**counts, **{name: int(getattr(self, name).item()) for name in devices}}

@@ -102,19 +102,34 @@ def patch_runner_forward() -> None:
     def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if _is_eagle2(self):  # the target pass ends here
             self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids)
+            if self._eagle2_step is not None:
+                self._eagle2_step.drafted = True
         return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+
+    input_fits_in_drafter = GPUModelRunner._input_fits_in_drafter
+
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if not _is_eagle2(self) or common_attn_metadata is None:
+            return input_fits_in_drafter(self, common_attn_metadata)
+        # vLLM asks whether every request has room for num_speculative_tokens more, and else
+        # skips the drafter for the whole batch (the head's catch-up pass too) and zero-fills its
+        # drafts. eagle2 stops drafting per request, where its tree does not fit (the proposer's
+        # ``fits``); the head only needs the batch within its own positions.
+        return common_attn_metadata.max_seq_len <= self.effective_drafter_max_model_len
 
     set_attr(GPUModelRunner, "execute_model", _execute_model)
     set_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     set_attr(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
+    set_attr(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
 
 
 def patch_runner_sampling() -> None:
     """``_sample`` verifies trees instead of the rejection sampler (and keeps discarded CPU
     generators, :mod:`.cpu_build`); ``_bookkeeping_sync`` hides those from vLLM's CUDA-only
     rewind; ``sample_tokens`` hands the drafter the rows it reads and returns the step's drafts
-    with its output (:mod:`.scheduling`)."""
-    from vllm.v1.outputs import ModelRunnerOutput
+    with its output (:mod:`.scheduling`); ``_dummy_sampler_run`` (vLLM's memory profile) also runs
+    the tree verifier at its widest (:func:`vllm_eagle2.engine.startup.profile_verification`)."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_eagle2.engine import verification
@@ -163,9 +178,26 @@ def patch_runner_sampling() -> None:
             self._eagle2_step = None  # the step ends with its drafts
         if not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
             out = copy.copy(out)  # never tag a shared instance (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
-            setattr(out, DRAFTS_ATTR, self.take_draft_token_ids())
+            drafts = self.take_draft_token_ids()
+            if step is not None and not step.drafted and drafts is not None:
+                # The drafter did not run (vLLM zero-filled its drafts): nothing to verify.
+                self.drafter.proposed = None
+                drafts = DraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids])
+            setattr(out, DRAFTS_ATTR, drafts)
         return out
 
+    dummy_sampler_run = GPUModelRunner._dummy_sampler_run
+
+    def _dummy_sampler_run(self, hidden_states, *args, **kwargs):
+        out = dummy_sampler_run(self, hidden_states, *args, **kwargs)
+        if _is_eagle2(self) and self.device.type == "cuda":  # the CPU's KV cache is sized by hand
+            from vllm_eagle2.engine.startup import profile_verification
+
+            vocab = self.model.compute_logits(hidden_states[:1]).shape[-1]
+            profile_verification(self, vocab)
+        return out
+
+    set_attr(GPUModelRunner, "_dummy_sampler_run", _dummy_sampler_run)
     set_attr(GPUModelRunner, "_sample", _sample)
     set_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
     set_attr(GPUModelRunner, "sample_tokens", _sample_tokens)

@@ -72,6 +72,19 @@ def _refuse_unsupported_engines(args: Any, target_model_config: Any) -> None:
             f"{', '.join(UNQUANTIZED_KV_DTYPES)}; got {kv_dtype!r} (its tree attention reads the cache "
             "as is)"
         )
+    if getattr(args, "logits_processors", None):
+        raise Eagle2ConfigError(
+            "eagle2 does not support engine-wide logits processors (logits_processors / "
+            "--logits-processors): they may change any request's logits, and the tree verifier does not "
+            "apply them to drafted tokens, so the output would not be the target's. Serve without them, "
+            "or use per-request sampling settings (requests eagle2 cannot verify exactly get no drafts)."
+        )
+    if getattr(target_model_config, "uses_mrope", False):
+        raise Eagle2ConfigError(
+            "eagle2 does not support models with multi-axis rotary positions (M-RoPE: Qwen2-VL, "
+            "Qwen2.5-VL, Qwen3-VL, ...): its tree nodes take positions on one axis. Serve this model "
+            "without eagle2, or with vLLM's own eagle."
+        )
     if getattr(args, "data_parallel_size", 1) > 1 and target_model_config.is_moe:
         # vLLM synchronises every forward of a data-parallel MoE engine across its ranks; each
         # rank's budget picks its own tree depth, so ranks would wait on each other for good.
@@ -79,6 +92,19 @@ def _refuse_unsupported_engines(args: Any, target_model_config: Any) -> None:
             f"eagle2 does not support data_parallel_size > 1 with a mixture-of-experts target "
             f"(data_parallel_size={args.data_parallel_size}): every draft pass would have to run "
             "on every rank in step. Use tensor_parallel_size instead, or vLLM's own eagle."
+        )
+
+
+def _refuse_unknown_keys(spec: dict[str, Any]) -> None:
+    """A key neither eagle2's nor vLLM's, named with both lists (vLLM's own error names vLLM's only)."""
+    from vllm.config import SpeculativeConfig
+
+    fields = [f.name for f in dataclasses.fields(SpeculativeConfig) if f.init]
+    unknown = sorted(key for key in spec if key not in EXTRA_KEYS and key not in fields)
+    if unknown:
+        raise Eagle2ConfigError(
+            f"speculative_config has no field {unknown[0]!r} (method eagle2). eagle2's own: "
+            f"{', '.join(EXTRA_KEYS)}; vLLM's: {', '.join(sorted(fields))}"
         )
 
 
@@ -94,6 +120,7 @@ def patch_engine_args() -> None:
         if not (isinstance(spec, dict) and spec.get("method") == "eagle2"):
             return create(self, target_model_config, *args, **kwargs)
         settings = parse_settings(spec)
+        _refuse_unknown_keys(spec)
         _refuse_unsupported_engines(self, target_model_config)
         target = TargetShape(
             hidden_size=target_model_config.get_hidden_size(),
