@@ -418,6 +418,15 @@ def test_the_budget_prices_more_verified_tokens_never_below_fewer(monkeypatch):
     assert counts.tolist() == [0, 0]
 
 
+def test_allocation_never_sends_more_drafts_than_the_step_can_schedule():
+    # Free verification would keep all 6; the token budget holds 4 drafts beside the 2 requests.
+    values = torch.tensor([[0.9, 0.8, 0.7], [0.9, 0.6, 0.5]]).log()
+    depths = torch.ones(2, 3, dtype=torch.long)
+    args = (values, depths, torch.ones(2, dtype=torch.bool), torch.ones(8), torch.ones(7))
+    assert allocate_nodes(*args).tolist() == [3, 3]
+    assert allocate_nodes(*args, max_drafts=4).tolist() == [3, 1]
+
+
 def test_allocation_is_sync_free_and_fixed_shape():
     from aten_ops import AtenOps
 

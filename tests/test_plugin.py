@@ -232,6 +232,28 @@ def test_the_plugin_stands_alone_without_the_tools_or_their_dependencies():
     assert out["applied"] and out["modules"] >= 20, out
 
 
+def test_the_gpu_checks_collect_on_a_machine_without_vllm():
+    """docs/gpu.md's route: a GPU machine with torch and no vLLM runs ``pytest -m gpu``."""
+    proc = run_python(
+        """
+        import importlib.abc, sys
+        import pytest
+
+        class NoVllm(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+
+        sys.meta_path.insert(0, NoVllm())
+        args = ["-q", "--collect-only", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"]
+        code = pytest.main(args)
+        loaded = [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+        print("RESULT", int(code), len(loaded))
+        """
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "RESULT 0 0", proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_a_patch_that_fails_leaves_vllm_as_it_was():
     """apply() is all or nothing: a failure in one patch undoes the ones before it."""
     proc = run_python(

@@ -93,6 +93,7 @@ class AdaptiveBudget:
         device: torch.device,
     ) -> None:
         self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
+        self.max_tokens = max_tokens  # a step's token budget (vLLM's max_num_batched_tokens)
         # target: a pass in a step without drafts to verify; verify: in a step with them (the
         # same calibration; priced as ``target`` until a verifying step has been timed).
         self.target = CostCurve(max_tokens)
@@ -414,7 +415,15 @@ class AdaptiveBudget:
         # apart, and priced below none, a draft that gains nothing looked worth sending.
         seconds = np.maximum.accumulate(seconds)
         step_seconds = to_device(seconds.astype(np.float32), values.device)
-        return allocate_nodes(values, depths, allowed, self.correction(), step_seconds, grafted)
+        return allocate_nodes(
+            values,
+            depths,
+            allowed,
+            self.correction(),
+            step_seconds,
+            grafted,
+            max_drafts=self.max_tokens - batch,
+        )
 
     def count_step(self, plan: DraftPlan, counts: list[int], head_skipped: bool = False) -> None:
         """Metrics of one step: the plan and the drafts sent for each request (``head_skipped``: the

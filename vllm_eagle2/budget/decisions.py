@@ -305,6 +305,7 @@ def allocate_nodes(
     correction: torch.Tensor,
     step_seconds: torch.Tensor,
     grafted: torch.Tensor | None = None,
+    max_drafts: int | None = None,
 ) -> torch.Tensor:
     """Drafts per request [B] int64 that maximise the next step's expected tokens per second.
 
@@ -329,6 +330,9 @@ def allocate_nodes(
         step_seconds: [B * N + 1] float, predicted seconds of a step verifying j drafts in all.
         grafted: [B, N] bool, nodes of lookup chains, whose values are already acceptance
             estimates (no correction; they may lie deeper than the head drafts).
+        max_drafts: drafts the next step can schedule in all (vLLM's token budget less one token
+            per request), None = no limit. Past it the scheduler leaves requests out of the step,
+            and verifies their drafts a step late, against no tree.
     """
     batch, n = values.shape
     if allowed.dim() == 1:
@@ -345,6 +349,8 @@ def allocate_nodes(
     cum = torch.cat([gain.new_zeros(1), order.values.clamp(min=0.0).cumsum(0)])
     rate = (batch + cum) / step_seconds.to(cum)
     sendable = torch.arange(batch * n + 1, device=values.device) <= allowed.sum()
+    if max_drafts is not None:
+        sendable[max(max_drafts, 0) + 1 :] = False
     keep = torch.argmax(torch.where(sendable, rate, -torch.inf))  # the first best: ties go to fewer nodes
     rank = torch.empty_like(order.indices)
     rank[order.indices] = torch.arange(batch * n, device=values.device)

@@ -19,8 +19,11 @@ Index (vLLM 0.32). Why / How / Upstream / Remove when:
 * :mod:`.model_runner` -- ``GPUModelRunner`` (the CPU runner subclasses it). Why: the step
   (draft, verify, move K/V) has no hooks. How: the drafter is an ``Eagle2Proposer``; tree
   masks are published for the target forward; trees are verified instead of the rejection
-  sampler; a step without drafts samples as plain decoding; drafts return with the output.
-  Upstream: none. Remove when: vLLM has a tree-verification interface.
+  sampler; a step without drafts samples as plain decoding; drafts return with the output;
+  ``_input_fits_in_drafter`` leaves the per-request context limit to the drafter (vLLM's stops
+  the whole batch and zero-fills its drafts); ``_dummy_sampler_run`` also runs the tree verifier
+  at its widest, for the memory profile. Upstream: none. Remove when: vLLM has a
+  tree-verification interface.
 * :mod:`.scheduling` -- ``Scheduler.update_from_output``, ``EngineCore.post_step``. Why: vLLM
   fetches drafts in a third worker call per step. How: they ride on the step's output. Remove
   when: vLLM returns drafts with the output for synchronous scheduling.
