@@ -9,7 +9,11 @@ length tau (tokens emitted per target pass: 1 + accepted drafts / drafting steps
 counters), the median speed-up over no speculation with its range over
 the rounds, and how many outputs are identical to no speculation's. It flags the result as
 unreliable when the speed-up exceeds tau (impossible on a steady machine) or an engine's rounds
-differ by more than 20%.
+differ by more than 20%, and says NOT CHECKED where a check could not run (the speed-up against tau
+when nothing was drafted; the rounds' spread with ``--rounds 1``). It prints FAIL and exits 1 when
+eagle2 verified no drafts (the run then showed plain decoding, not eagle2), or when greedy float32
+outputs on a CPU differ from no speculation's (they must be identical there: a difference is a
+bug); bf16, and float32 on CUDA, are not exact, so a difference there is reported, not failed.
 
 Default model:
 
@@ -52,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=3,
-        help="timed rounds per engine (default 3); within a round the engines take turns batch by batch",
+        help="timed rounds per engine (default 3; at least 2 to check that the machine's speed held); "
+        "within a round the engines take turns batch by batch",
     )
     knobs = p.add_argument_group(
         "eagle2 settings",

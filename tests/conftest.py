@@ -28,7 +28,10 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-import vllm.entrypoints.llm  # noqa: E402, F401 - its modules are frozen with the rest
+try:
+    import vllm.entrypoints.llm  # noqa: F401 - its modules are frozen with the rest
+except ImportError:  # a GPU machine with torch but no vLLM (docs/gpu.md): ``pytest -m gpu`` needs none
+    pass
 
 freeze_heap()
 
@@ -56,7 +59,15 @@ def run_llm(
     metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
     holds the adaptive budget's counters (None with the fixed budget) and "eagle2" what the tree
     verification exercised (:class:`vllm_eagle2.engine.verification.VerifyCounters`).
+    "compiled_graphs" counts the model graphs torch.compile built or loaded for this engine: one per
+    model (the target, and the head where the spec has one) when ``compiled``, none when eager;
+    asserted here, so that no compiled test runs eager unseen. It is read in this process: None where
+    the model runs in others (``fresh_process``, or more than one worker), which ``compiled`` refuses.
     """
+    workers = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+    here = not fresh_process and workers == 1  # the model runs in this process
+    if compiled and not here:
+        raise ValueError("run_llm: the compile check reads torch's and vLLM's counters in this process")
     from vllm import LLM
 
     from vllm_eagle2_tools.engine import scoped_env
@@ -77,11 +88,12 @@ def run_llm(
         disable_log_stats=False,
     )
     kwargs.update(engine_kwargs)
+    graphs_before = compiled_graphs()
     with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if fresh_process else "0"}):
         llm = LLM(speculative_config=spec, **kwargs)
         try:
             outputs = llm.generate(list(prompts), params, use_tqdm=False)
-            metrics: dict[str, Any] = {}
+            metrics: dict[str, Any] = {"compiled_graphs": compiled_graphs() - graphs_before if here else None}
             for m in llm.get_metrics():
                 metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
             if spec is not None and spec.get("method") == "eagle2":
@@ -91,7 +103,27 @@ def run_llm(
             llm.llm_engine.engine_core.shutdown()
             del llm
             freeze_heap()
+    if here:
+        models = 1 + (spec is not None and "model" in spec)  # the target, and the head
+        expected = models if compiled else 0
+        assert metrics["compiled_graphs"] == expected, (
+            f"{'compiled' if compiled else 'eager'} engine: {metrics['compiled_graphs']} graphs "
+            f"compiled or loaded by torch.compile, expected {expected}"
+        )
     return outputs, metrics
+
+
+def compiled_graphs() -> int:
+    """Model graphs torch.compile has built or loaded in this process so far.
+
+    Dynamo's count of graphs it traced (each then compiled by Inductor, or taken from its cache), and
+    vLLM's count of graphs loaded whole from its ahead-of-time compile cache (no trace). vLLM's other
+    counters stay at zero on this CPU, where vLLM hands the trace to torch's own Inductor backend.
+    """
+    from torch._dynamo.utils import counters
+    from vllm.compilation.counter import compilation_counter
+
+    return counters["stats"]["unique_graphs"] + compilation_counter.num_aot_artifacts_loaded
 
 
 def acceptance_length(metrics: dict[str, Any]) -> float:
@@ -109,6 +141,13 @@ def assert_trees_exercised(metrics: dict[str, Any], *, branched: bool = True) ->
     if branched:
         stats = metrics["eagle2"]
         assert stats["tree_rows"] > 0 and stats["kv_moves"] > 0, stats
+
+
+def assert_accepted_at_every_position(metrics: dict[str, Any], positions: int) -> None:
+    """Drafts were accepted at each of the first ``positions`` draft positions (1 to ``positions``
+    deep): every output position that speculation decides there met verified drafts."""
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][:positions]
+    assert len(per_position) == positions and all(n > 0 for n in per_position), per_position
 
 
 def pytest_unconfigure(config: Any) -> None:
@@ -144,6 +183,7 @@ LAYERS = {
         "test_lookup_engine",
         "test_reliability",
         "test_serve",
+        "test_edges",
     },
     "tools": {
         "test_bench_rounds",

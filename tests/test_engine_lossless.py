@@ -151,17 +151,20 @@ def test_compiled_mode_accepts_as_many_drafts_as_eager(m12):
     assert acceptance_length(compiled) == pytest.approx(acceptance_length(eager), rel=0.02)
 
 
-def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference, monkeypatch):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference, monkeypatch, mode):
     """Negative control: these tests see a verifier that leaves accepted off-chain K/V in place."""
     from vllm_eagle2.engine import attention
 
     monkeypatch.setattr(attention, "move_kv", lambda kept, *args: kept.clear())
-    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    spec, compiled = eagle2(models["noisy"], **M12), mode == "compiled"
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=compiled)
     assert_trees_exercised(metrics)
-    assert tokens_of(outputs) != reference()
+    assert tokens_of(outputs) != reference(mode)
 
 
-def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, reference, monkeypatch):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, reference, monkeypatch, mode):
     """Negative control: these tests see tree rows that attend to their siblings' K/V too."""
     from vllm_eagle2.engine import verification as runner
 
@@ -173,9 +176,10 @@ def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, refe
         return masks
 
     monkeypatch.setattr(runner, "build_tree_masks", see_all)
-    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy())
+    spec, compiled = eagle2(models["noisy"], **M12), mode == "compiled"
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=compiled)
     assert_trees_exercised(metrics)
-    assert tokens_of(outputs) != reference()
+    assert tokens_of(outputs) != reference(mode)
 
 
 def test_greedy_on_the_glues_cuda_path_equals_no_speculation(models, prompts, reference, monkeypatch):

@@ -1,8 +1,11 @@
 """Per-request behaviour with eagle2 equals the engine without speculation.
 
-Two engines stay up for the module (eagle2 with a partly-right head, and no speculation):
-logprobs, tiny max_tokens, stop tokens inside an accepted path, prompts that leave less room
-than the tree in max_model_len, and mixed greedy/sampled batches.
+Three engines stay up for the module: eagle2 with a partly-right head under the fixed budget
+(every step drafts its whole tree) and under eagle2's default, the adaptive budget (on fixed step
+costs, so that its decisions do not depend on timing), and no speculation: logprobs, tiny
+max_tokens, stop tokens inside an accepted path, prompts that leave less room than the tree in
+max_model_len, penalised requests, and mixed greedy/sampled batches. Each test asserts what the eagle2 engine
+exercised meanwhile: drafts verified, branching trees recomputed, accepted off-chain K/V moved.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import freeze_heap
+from test_engine_lossless import STEP_COSTS
 
+from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2_tools.testing import build_pair
 
 MAX_MODEL_LEN = 256
+#: The eagle2 engines: the fixed budget, and the default one.
+BUDGETS = ["fixed", "adaptive"]
 
 
 def make_llm(target, spec):
@@ -37,29 +44,55 @@ def make_llm(target, spec):
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
+    """{"fixed": eagle2, "adaptive": eagle2 with its default budget, "plain": no speculation}."""
+    from vllm_eagle2_tools.engine import scoped_env
+
     target, head = build_pair(tmp_path_factory.mktemp("request_models"), "partial", seed=0)
     spec = {"method": "eagle2", "model": str(head), "num_speculative_tokens": 12, "depth": 4, "topk": 3}
-    spec["budget"] = "fixed"  # every step drafts: the request features meet trees every step
-    llms = {"eagle2": make_llm(target, spec), "plain": make_llm(target, None)}
+    # The fixed budget drafts every step: the request features meet trees every step.
+    llms = {"fixed": make_llm(target, {**spec, "budget": "fixed"})}
+    with scoped_env({COSTS_ENV: STEP_COSTS}):  # the adaptive budget reads them at start-up
+        llms["adaptive"] = make_llm(target, spec)
+    llms["plain"] = make_llm(target, None)
     yield llms
     for llm in llms.values():
         llm.llm_engine.engine_core.shutdown()
     llms.clear()
+    UNSPECULATED.clear()
     freeze_heap()
 
 
-def both(engines, prompts, params):
-    return [engines[name].generate(prompts, params, use_tqdm=False) for name in ("eagle2", "plain")]
+def both(engines, budget, prompts, params):
+    """The outputs of the eagle2 engine with ``budget`` and of the engine without speculation."""
+    return [engines[budget].generate(prompts, params, use_tqdm=False), unspeculated(engines, prompts, params)]
 
 
-def stats(engines) -> dict:
+#: The engine without speculation's outputs by input: each is generated once, whichever budget asks.
+UNSPECULATED: dict[str, list] = {}
+
+
+def unspeculated(engines, prompts, params):
+    """The outputs of the engine without speculation."""
+    key = repr((prompts, params))
+    if key not in UNSPECULATED:
+        UNSPECULATED[key] = engines["plain"].generate(prompts, params, use_tqdm=False)
+    return UNSPECULATED[key]
+
+
+def stats(engines, budget) -> dict:
     """What the eagle2 engine's verification has exercised so far (drafts verified, KV moves). Not
-    from ``get_metrics()``: with two engines up, vLLM's collectors are the last-started engine's."""
-    return engines["eagle2"].collective_rpc("eagle2_stats")[0]
+    from ``get_metrics()``: with several engines up, vLLM's collectors are the last-started one's."""
+    return engines[budget].collective_rpc("eagle2_stats")[0]
 
 
 def grew(before: dict, after: dict, *keys: str) -> bool:
     return all(after[k] > before[k] for k in keys)
+
+
+def assert_trees_exercised(before: dict, after: dict) -> None:
+    """Since ``before``: drafts verified, branching trees recomputed with their masks, and accepted
+    off-chain nodes' K/V moved (so drafts were accepted, off the leading chain too)."""
+    assert grew(before, after, "drafts", "tree_rows", "kv_moves"), (before, after)
 
 
 def prompt(n: int, seed: int = 0) -> dict:
@@ -76,11 +109,12 @@ def ids(outputs):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_logprobs_of_emitted_tokens_match(engines):
-    before = stats(engines)
-    spec, plain = both(engines, [prompt(9), prompt(30, 1)], greedy(logprobs=3))
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_logprobs_of_emitted_tokens_match(engines, budget):
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, [prompt(9), prompt(30, 1)], greedy(logprobs=3))
     assert ids(spec) == ids(plain)
-    assert grew(before, stats(engines), "drafts", "kv_moves")  # logprobs along moved paths too
+    assert_trees_exercised(before, stats(engines, budget))  # logprobs along moved paths too
     for a, b in zip(spec, plain):
         for pos_a, pos_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert set(pos_a) == set(pos_b)
@@ -88,69 +122,92 @@ def test_logprobs_of_emitted_tokens_match(engines):
                 assert pos_a[token].logprob == pytest.approx(pos_b[token].logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
-def test_tiny_max_tokens(engines, max_tokens):
-    spec, plain = both(engines, [prompt(5), prompt(40, 2)], greedy(max_tokens=max_tokens))
+def test_tiny_max_tokens(engines, budget, max_tokens):
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, [prompt(5), prompt(40, 2)], greedy(max_tokens=max_tokens))
     assert ids(spec) == ids(plain)
     assert all(len(t) == max_tokens for t in ids(spec))
+    # The prefill emits the first token; every later step verifies drafts.
+    assert grew(before, stats(engines, budget), "drafts") == (max_tokens > 1)
 
 
-def test_stop_token_inside_an_accepted_path_ends_the_output_there(engines):
-    reference = ids(engines["plain"].generate([prompt(12, 3)], greedy(), use_tqdm=False))[0]
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_stop_token_inside_an_accepted_path_ends_the_output_there(engines, budget):
+    reference = ids(unspeculated(engines, [prompt(12, 3)], greedy()))[0]
     stop = reference[7]
-    before = stats(engines)
-    spec, plain = both(engines, [prompt(12, 3)], greedy(stop_token_ids=[stop]))
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, [prompt(12, 3)], greedy(stop_token_ids=[stop]))
     assert ids(spec) == ids(plain)
-    assert grew(before, stats(engines), "drafts")
+    assert_trees_exercised(before, stats(engines, budget))
     assert ids(spec)[0][-1] == stop and len(ids(spec)[0]) == reference.index(stop) + 1
 
 
-def test_prompt_leaving_less_room_than_the_tree(engines):
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_prompt_leaving_less_room_than_the_tree(engines, budget):
     # 240 + 16 = max_model_len: the draft tree cannot fit near the end; output must not change.
-    before = stats(engines)
-    spec, plain = both(engines, [prompt(240, 4), prompt(8, 5)], greedy(max_tokens=16))
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, [prompt(240, 4), prompt(8, 5)], greedy(max_tokens=16))
     assert ids(spec) == ids(plain)
-    assert grew(before, stats(engines), "drafts")  # the short prompt still drafts
+    assert_trees_exercised(before, stats(engines, budget))  # the short prompt still drafts
 
 
-def test_mixed_greedy_and_seeded_sampling_batch(engines):
+def seeded(**kwargs):
     from vllm import SamplingParams
 
-    params = [
-        greedy(),
-        SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
-        greedy(max_tokens=10),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True),
-    ]
+    return SamplingParams(ignore_eos=True, **{"max_tokens": 24, **kwargs})
+
+
+#: Seeded sampling, plain and with top-p and top-k.
+SEEDED = [seeded(temperature=1.0, seed=7), seeded(temperature=0.8, top_p=0.9, top_k=20, seed=3)]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_rows_of_a_batch_mixed_with_seeded_sampling_equal_no_speculation(engines, budget):
+    params = [greedy(), SEEDED[0], greedy(max_tokens=10), SEEDED[1]]
     prompts = [prompt(10, i) for i in range(4)]
-    first = engines["eagle2"].generate(prompts, params, use_tqdm=False)
-    again = engines["eagle2"].generate(prompts, params, use_tqdm=False)
-    plain = engines["plain"].generate(prompts, params, use_tqdm=False)
-    assert ids(first)[0] == ids(plain)[0] and ids(first)[2] == ids(plain)[2]  # greedy rows exact
-    assert ids(first) == ids(again)  # seeded sampling is reproducible run to run
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, prompts, params)
+    assert ids(spec)[0] == ids(plain)[0] and ids(spec)[2] == ids(plain)[2]
+    assert_trees_exercised(before, stats(engines, budget))
 
 
-def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines):
+def test_seeded_sampling_is_reproducible_run_to_run_with_the_fixed_budget(engines):
+    """The fixed budget only: under the adaptive one a seeded request's trees follow what the budget
+    learnt from earlier requests, and its draws follow its trees (docs/budget.md, "Limits")."""
+    budget = "fixed"
+    prompts = [prompt(10, 1), prompt(10, 3)]
+    before = stats(engines, budget)
+    first = engines[budget].generate(prompts, SEEDED, use_tqdm=False)
+    assert_trees_exercised(before, stats(engines, budget))
+    again = engines[budget].generate(prompts, SEEDED, use_tqdm=False)
+    assert ids(first) == ids(again)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines, budget):
     prompts = [prompt(10, 6), prompt(20, 7)]
     params = greedy(repetition_penalty=1.3, presence_penalty=0.5)
-    before = stats(engines)
-    spec, plain = both(engines, prompts, params)
+    before = stats(engines, budget)
+    spec, plain = both(engines, budget, prompts, params)
     assert ids(spec) == ids(plain)
-    after = stats(engines)
+    after = stats(engines, budget)
     assert after["drafts"] == before["drafts"]  # no drafts for them
     assert after["requests_without_drafts"] - before["requests_without_drafts"] == len(prompts)
-    unpenalised = engines["plain"].generate(prompts, greedy(), use_tqdm=False)
+    unpenalised = unspeculated(engines, prompts, greedy())
     assert ids(plain) != ids(unpenalised)  # and the penalties changed what was sampled
 
 
 def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
-    from vllm import SamplingParams
-
-    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
-    first = engines["eagle2"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
-    again = engines["eagle2"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    # The fixed budget only: under the adaptive one, seeded draws change run to run (see above).
+    params = seeded(n=3, temperature=1.0, seed=11, max_tokens=16)
+    before = stats(engines, "fixed")
+    first = engines["fixed"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    again = engines["fixed"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
     assert len(first.outputs) == 3
     assert [list(c.token_ids) for c in first.outputs] == [list(c.token_ids) for c in again.outputs]
+    assert_trees_exercised(before, stats(engines, "fixed"))
 
 
 def test_model_defaults_that_turn_drafts_off_are_named():
@@ -179,10 +236,10 @@ def test_kernel_warm_up_reads_its_limits_and_caches_from_the_engine(engines):
     """The glue of the GPU worker's warm-up, run on this engine's own head, target and caches
     (m=12 d=4 k=3: a verified tree of 13 rows with its root, a draft level of 3 queries over
     a region of 9 + 3)."""
-    out = engines["eagle2"].collective_rpc(_warm_up_on_this_cpu)[0]
+    out = engines["fixed"].collective_rpc(_warm_up_on_this_cpu)[0]
     limits = out["limits"]
     assert (limits.draft_vocab, limits.target_vocab, limits.max_topk, limits.max_nodes) == (512, 512, 3, 13)
     assert limits.draft_dtype == torch.float32 and limits.target_dtypes == (torch.float32,)
-    assert limits.max_rows == engines["eagle2"].llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert limits.max_rows == engines["fixed"].llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert out["caches"] and all(shape[1:] == (2, 128, 32) for shape in out["caches"]), out["caches"]
     assert out["launches"] > 0

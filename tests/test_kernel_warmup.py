@@ -102,10 +102,11 @@ def launches(monkeypatch) -> Launches:
     return out
 
 
-def _cache() -> AttentionCache:
-    cache = torch.randn(
-        BLOCKS, HKV, BLOCK, 2 * D
-    )  # vLLM 0.32's flash layout: [blocks, Hkv, block_size, 2 * D]
+def _cache(device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> AttentionCache:
+    """A random paged KV cache in vLLM 0.32's flash layout, [BLOCKS, HKV, BLOCK, 2 * D] split into
+    key and value views of [BLOCKS, HKV, BLOCK, D] each, for HKV * G query heads, on ``device`` in
+    ``dtype`` (the defaults are this CPU's float32; ``tests/test_gpu.py`` asks for CUDA and bf16)."""
+    cache = torch.randn(BLOCKS, HKV, BLOCK, 2 * D).to(device=device, dtype=dtype)
     key_cache, value_cache = kernels.kv_cache_views(cache, "flash")
     return AttentionCache(key_cache, value_cache, num_heads=HKV * G)
 

@@ -10,11 +10,13 @@ lookup chains checks that grafted drafts were verified and accepted (``lookup_dr
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import acceptance_length, assert_trees_exercised, run_llm
+import torch
+from conftest import acceptance_length, assert_accepted_at_every_position, assert_trees_exercised, run_llm
 from test_engine_lossless import greedy, greedy_reference, tokens_of
 from test_sampling_lossless import NUM_SAMPLES, _sharpen_the_verifier, homogeneity_pvalue
 
@@ -146,17 +148,48 @@ def loop_prompt(prompts, reference) -> list[dict]:
     return [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + reference()[0]}]
 
 
+def placed_lookup_nodes(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts, over the engine's verifications (its core runs in this process), the lookup nodes
+    verified beside a sibling the head drafted ("beside_head"), and those of them accepted off
+    their tree's leading chain, where their K/V had to move ("accepted_beside_head_off_chain")."""
+    from vllm_eagle2.engine.lookup_drafts import LookupDrafts
+    from vllm_eagle2.tree import off_leading_chain
+
+    placed = Counter()
+    record = LookupDrafts.record
+
+    def counting_record(self, grafted, buckets, parents, depths, accepted_nodes):
+        lookup, head = grafted & (depths > 0), ~grafted & (depths > 0)
+        siblings = parents.unsqueeze(2) == parents.unsqueeze(1)  # [B, N, N]: same parent
+        beside_head = lookup & (siblings & head.unsqueeze(1)).any(2)
+        accepted = torch.zeros_like(grafted)
+        rows, cols = (accepted_nodes >= 0).nonzero(as_tuple=True)
+        accepted[rows, accepted_nodes[rows, cols]] = True
+        placed["beside_head"] += int(beside_head.sum())
+        off_chain = accepted & beside_head & off_leading_chain(depths)
+        placed["accepted_beside_head_off_chain"] += int(off_chain.sum())
+        return record(self, grafted, buckets, parents, depths, accepted_nodes)
+
+    monkeypatch.setattr(LookupDrafts, "record", counting_record)
+    return placed
+
+
 def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> tuple[np.ndarray, dict]:
-    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1, and the engine's metrics; with ``spec``,
-    lookup drafts accepted."""
+    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1, and the engine's metrics, with
+    "lookup_nodes" (:func:`placed_lookup_nodes`); with ``spec``, drafts accepted at each draft
+    position that decides a sampled position (1 to 3), lookup drafts among them."""
     from vllm import SamplingParams
 
     params = [
         SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1000 + i)
         for i in range(NUM_SAMPLES)
     ]
-    outputs, metrics = run_llm(target, spec, prompt * NUM_SAMPLES, params, max_num_seqs=32)
+    with pytest.MonkeyPatch.context() as mp:
+        placed = placed_lookup_nodes(mp)
+        outputs, metrics = run_llm(target, spec, prompt * NUM_SAMPLES, params, max_num_seqs=32)
+    metrics["lookup_nodes"] = placed
     if spec is not None:
+        assert_accepted_at_every_position(metrics, 3)
         assert_lookup_exercised(metrics)
     return np.array(tokens_of(outputs)), metrics
 
@@ -172,10 +205,17 @@ def pvalues(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 
 def test_sampled_tokens_with_lookup_chains_follow_the_target_distribution(
-    pair, loop_prompt, plain_loop_samples
+    pair, random_head, loop_prompt, plain_loop_samples
 ):
-    spec = eagle2(pair[1], budget="fixed", lookup=8)
-    assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt)[0])) > 1e-3
+    # A head that is rarely right: its drafts often rank above the lookup chain's and are rejected,
+    # and the lookup node beside them is accepted. (With the partly-right head, 22 lookup nodes sat
+    # beside the head's siblings in this test, and none was accepted off the leading chain.)
+    spec = eagle2(random_head, budget="fixed", lookup=8)
+    samples, metrics = loop_samples(pair[0], spec, loop_prompt)
+    assert_trees_exercised(metrics)
+    placed = metrics["lookup_nodes"]
+    assert placed["accepted_beside_head_off_chain"] > 0, placed
+    assert min(pvalues(plain_loop_samples, samples)) > 1e-3
 
 
 def test_sampled_tokens_follow_the_target_distribution_where_sure_chains_go_alone(
@@ -188,8 +228,8 @@ def test_sampled_tokens_follow_the_target_distribution_where_sure_chains_go_alon
 
 
 def test_a_biased_verifier_fails_the_same_test_with_lookup_chains(
-    pair, loop_prompt, plain_loop_samples, monkeypatch
+    pair, random_head, loop_prompt, plain_loop_samples, monkeypatch
 ):
     _sharpen_the_verifier(monkeypatch)
-    spec = eagle2(pair[1], budget="fixed", lookup=8)
+    spec = eagle2(random_head, budget="fixed", lookup=8)
     assert min(pvalues(plain_loop_samples, loop_samples(pair[0], spec, loop_prompt)[0])) < 1e-4

@@ -13,18 +13,35 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from vllm_eagle2_tools.bench.quickstart import EngineRuns, Setup, report, speedup_summary, warnings_for
+import pytest
+
+from vllm_eagle2_tools.bench.quickstart import (
+    EngineRuns,
+    Setup,
+    failures,
+    report,
+    speedup_summary,
+    unchecked,
+    warnings_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = argparse.Namespace(temperature=0.0, max_tokens=8, batch_size=1, enforce_eager=False)
 SETUP = Setup(model=Path("m"), head=Path("h"), dtype="float32", tiny=True, description="test pair")
 
 
-def _runs(label: str, seconds: list[float], tokens: int = 100, drafts: float = 0.0, accepted: float = 0.0):
+def _runs(
+    label: str,
+    seconds: list[float],
+    tokens: int = 100,
+    drafts: float = 0.0,
+    accepted: float = 0.0,
+    outputs: list[list[int]] | None = None,
+):
     return EngineRuns(
         label,
         seconds=seconds,
-        tokens=[[1, 2, 3]],
+        tokens=outputs or [[1, 2, 3]],
         num_tokens=[tokens] * len(seconds),
         drafts=drafts,
         accepted=accepted,
@@ -60,11 +77,62 @@ def test_rounds_that_differ_by_more_than_a_fifth_are_flagged():
     assert warning.startswith("no speculation's rounds differ by 30%")
 
 
-def test_an_engine_that_drafted_nothing_says_so_instead_of_a_tau():
+def test_an_engine_that_drafted_nothing_fails_and_says_the_tau_check_could_not_run():
+    """A run without drafts showed plain decoding, not eagle2: a failure (exit status 1), and the
+    speed-up cannot be held against a tau it does not have."""
     base = _runs("no speculation", [10.0, 10.0])
     eagle = _runs("eagle2", [10.1, 10.0])
     text = report(SETUP, base, eagle, ARGS)
     assert "- (drafted nothing)" in text and "verified no drafts" in text
+    assert "\nFAIL: eagle2 verified no drafts in any timed round" in text
+    assert "NOT CHECKED: the speed-up against tau: eagle2 drafted nothing" in text
+    assert failures(SETUP, base, eagle, ARGS)
+
+
+def test_one_round_says_the_spread_check_needs_two():
+    base = _runs("no speculation", [10.0])
+    eagle = _runs("eagle2", [8.0], drafts=100, accepted=50)
+    (what,) = unchecked(base, eagle)
+    assert "needs at least 2 timed rounds, this run had 1" in what
+    assert "NOT CHECKED: whether the machine's speed moved between rounds" in report(SETUP, base, eagle, ARGS)
+    two = _runs("no speculation", [10.0, 10.0]), _runs("eagle2", [8.0, 8.0], drafts=100, accepted=50)
+    assert unchecked(*two) == [] and "NOT CHECKED" not in report(SETUP, *two, ARGS)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cuda", "fails"),
+    [("float32", False, True), ("bfloat16", False, False), ("float32", True, False)],
+    ids=["float32-cpu", "bf16", "float32-cuda"],
+)
+def test_a_greedy_difference_fails_in_float32_on_a_cpu_only(dtype, cuda, fails):
+    """Exact in float32 on a CPU (docs/design.md, section 4): a difference is a bug. bf16 near-ties,
+    and float32 on CUDA (vLLM's Triton attention in TF32), are reported, not failed."""
+    setup = Setup(model=Path("m"), head=Path("h"), dtype=dtype, tiny=True, description="test pair", cuda=cuda)
+    base = _runs("no speculation", [10.0, 10.0], outputs=[[1, 2, 3], [4, 5, 6]])
+    eagle = _runs("eagle2", [8.0, 8.0], drafts=100, accepted=50, outputs=[[1, 2, 3], [4, 9, 6]])
+    text = report(setup, base, eagle, ARGS)
+    assert bool(failures(setup, base, eagle, ARGS)) == fails
+    assert (
+        "FAIL: 1 of 2 greedy outputs differ from no speculation's (first difference at token [1])" in text
+    ) == fails
+    assert ("diverging outputs: first difference at token [1] (not exact" in text) == (not fails)
+    sampled = argparse.Namespace(**{**vars(ARGS), "temperature": 1.0})
+    assert failures(setup, base, eagle, sampled) == []  # sampled outputs are not compared
+
+
+def test_the_exit_status_is_1_on_a_failure(monkeypatch, capsys):
+    from vllm_eagle2_tools.bench import quickstart
+
+    args = argparse.Namespace(**{**vars(ARGS), "verbose": False})
+    same = _runs("no speculation", [10.0, 10.0]), _runs("eagle2", [8.0, 8.0], drafts=100, accepted=50)
+    undrafted = _runs("no speculation", [10.0, 10.0]), _runs("eagle2", [10.0, 10.0])
+    differs = same[0], _runs("eagle2", [8.0, 8.0], drafts=100, accepted=50, outputs=[[1, 2, 4]])
+    monkeypatch.setattr(quickstart, "prepare_env", lambda quiet: None)
+    monkeypatch.setattr(quickstart, "resolve_setup", lambda args: SETUP)
+    for runs, status in ((same, 0), (undrafted, 1), (differs, 1)):
+        monkeypatch.setattr(quickstart, "run_rounds", lambda setup, spec, args, out=runs: out)
+        assert quickstart.run_quickstart(args) == status
+        assert ("FAIL:" in capsys.readouterr().out) == bool(status)
 
 
 def test_the_quickstart_runs_on_the_tiny_pair(tmp_path):

@@ -6,7 +6,9 @@ Three scenarios on the "partial" tiny pair (eagle2 with m=12, depth=4, topk=3, f
    (``num_gpu_blocks_override`` blocks of 32 tokens) preempts running requests and resumes them by
    recomputation. The greedy outputs equal those of a no-speculation engine with the same small cache
    and of a roomy one; every KV block comes back to the free pool when the requests finish, also when
-   a running and a preempted request are aborted half-way.
+   a running and a preempted request are aborted half-way. Two eagle2 engines go through this: the
+   fixed budget, and eagle2's default, the adaptive one (on fixed step costs, so that its decisions
+   do not depend on timing); both verify branching trees under the pressure.
 
    These engines run in a child interpreter with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine
    core lives in that process, so its scheduler's block pool can be read directly. Doing that in the
@@ -15,9 +17,11 @@ Three scenarios on the "partial" tiny pair (eagle2 with m=12, depth=4, topk=3, f
    RNGs and freezes ``vllm.envs`` into a cache.
 
 2. Abort mid-stream. One eagle2 server per module (``python -m vllm.entrypoints.openai.api_server``
-   on 127.0.0.1, as in ``tests/test_serve.py``). A streamed completion is cut after a few chunks while
-   others run; they finish with the text of the offline no-speculation run, the server stays healthy,
-   answers a new request, and its KV cache is empty afterwards.
+   on 127.0.0.1, as in ``tests/test_serve.py``, but with the fixed budget: the adaptive budget learns
+   from every step, so its trees, and with them a seeded request's draws, differ from one load round
+   to the next; ``tests/test_serve.py`` serves the adaptive one). A streamed completion is cut after a
+   few chunks while others run; they finish with the text of the offline no-speculation run, the
+   server stays healthy, answers a new request, and its KV cache is empty afterwards.
 
 3. Bounded load. 64 concurrent streaming clients with prompts of 5..200 tokens, ``max_tokens``
    1..48, greedy and seeded sampling at temperature 0.8. Every request completes with status 200;
@@ -48,10 +52,17 @@ from typing import Any
 import httpx
 import pytest
 
+from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2.patches import FIX_VLLM_CPU_ENV
 from vllm_eagle2_tools.testing import build_pair
 
 SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
+#: The same tree under eagle2's default budget, the adaptive one, on fixed step costs (seconds = a + b *
+#: tokens; COSTS_ENV) under which it drafts a few nodes per request, sized from the acceptance seen.
+ADAPTIVE_SPEC = {key: value for key, value in SPEC.items() if key != "budget"}
+STEP_COSTS = '{"target": [0.02, 0.0005], "level": [0.001, 0.0001], "overhead": 0.002}'
+#: The small-cache engines: no speculation, and eagle2 under each budget.
+SMALL_ENGINES = ("plain_small", "eagle2_small", "adaptive_small")
 SERVER_MAX_MODEL_LEN = 512
 
 # --- preemption: 8 requests of ~100 prompt + 100 generated tokens; the cache holds ~3 of them -------
@@ -63,7 +74,7 @@ PRESSURE_MAX_TOKENS = 100
 PRESSURE_BATCH_TOKENS = 128  # prompts are prefilled in chunks as well
 SEEDED_PROMPT_TOKENS = 200  # > PRESSURE_BATCH_TOKENS: a prefill in two chunks
 SEEDED_MAX_TOKENS = 16
-OFFLINE_SECONDS = 300
+OFFLINE_SECONDS = 400
 
 # --- server -------------------------------------------------------------------------------------------
 STARTUP_SECONDS = 180
@@ -188,7 +199,9 @@ def _run_under_pressure(llm: Any, greedy: Any) -> dict[str, Any]:
         "free_after_generate": pool.get_num_free_blocks(),
         "preemptions": preemptions[:],
         "num_preemptions_metric": _counter(llm, "vllm:num_preemptions"),
+        "drafts": _counter(llm, "vllm:spec_decode_num_drafts"),
         "accepted": _counter(llm, "vllm:spec_decode_num_accepted_tokens"),
+        "eagle2": llm.collective_rpc("eagle2_stats")[0],  # None without eagle2
     }
 
     engine = llm.llm_engine
@@ -252,13 +265,17 @@ def offline_main(job_path: str) -> None:
 
     from vllm import LLM, SamplingParams
 
+    from vllm_eagle2_tools.engine import scoped_env
+
     job = json.loads(Path(job_path).read_text())
     target, head = job["target"], job["head"]
     greedy = SamplingParams(temperature=0.0, max_tokens=PRESSURE_MAX_TOKENS, ignore_eos=True)
     results: dict[str, Any] = {}
-    for name, spec in (("plain_small", None), ("eagle2_small", {**SPEC, "model": head})):
+    specs = (None, {**SPEC, "model": head}, {**ADAPTIVE_SPEC, "model": head})
+    for name, spec in zip(SMALL_ENGINES, specs):
         started = time.monotonic()
-        llm = _small_cache_llm(target, spec)
+        with scoped_env({COSTS_ENV: STEP_COSTS}):  # read by the adaptive budget at start-up
+            llm = _small_cache_llm(target, spec)
         try:
             results[name] = _run_under_pressure(llm, greedy)
             results[name]["seeded"] = _seeded(llm, runs=2)  # last: a failure here kills the engine
@@ -366,25 +383,33 @@ def offline(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 def test_requests_are_preempted_mid_generation(offline: dict[str, Any]) -> None:
     """The small cache preempts requests that already have output; the roomy one does not."""
-    for name in ("plain_small", "eagle2_small"):
+    for name in SMALL_ENGINES:
         run = offline[name]
         assert run["num_preemptions_metric"] > 0, name
         assert any(p["outputs"] > 0 for p in run["preemptions"]), (name, run["preemptions"])
     assert offline["roomy"]["num_preemptions_metric"] == 0
-    assert offline["eagle2_small"]["accepted"] > 0  # drafts were verified and accepted
+
+
+@pytest.mark.parametrize("name", ["eagle2_small", "adaptive_small"])
+def test_eagle2_verifies_branching_trees_under_preemption(offline: dict[str, Any], name: str) -> None:
+    """Under either budget, drafts were verified and accepted, branching trees recomputed with
+    their masks, and accepted off-chain nodes' K/V moved, while requests were preempted."""
+    run = offline[name]
+    assert run["drafts"] > 0 and run["accepted"] > 0, run
+    assert run["eagle2"]["tree_rows"] > 0 and run["eagle2"]["kv_moves"] > 0, run["eagle2"]
 
 
 def test_greedy_output_under_preemption_equals_no_speculation(offline: dict[str, Any]) -> None:
     """Preempted and resumed eagle2 requests give the tokens of no speculation (small and roomy cache)."""
     roomy = offline["roomy"]["pressure"][0]
-    assert offline["plain_small"]["ids"] == roomy
-    assert offline["eagle2_small"]["ids"] == roomy
+    for name in SMALL_ENGINES:
+        assert offline[name]["ids"] == roomy, name
     assert all(len(ids) == PRESSURE_MAX_TOKENS for ids in roomy)
 
 
 def test_every_kv_block_is_freed_after_preempted_requests_finish(offline: dict[str, Any]) -> None:
     """After the preempted requests finish, the block pool has every block back."""
-    for name in ("plain_small", "eagle2_small"):
+    for name in SMALL_ENGINES:
         run = offline[name]
         assert run["free_start"] == run["num_gpu_blocks"] - 1 == PRESSURE_BLOCKS - 1, name  # null block
         assert run["free_after_generate"] == run["free_start"], name
@@ -396,8 +421,10 @@ def test_seeded_sampling_with_a_chunked_prefill(offline: dict[str, Any]) -> None
     """A seeded request whose prompt is prefilled in chunks runs, and draws as without chunks."""
     # vLLM 0.32 un-draws the sample of a partial prefill with Generator.set_offset, which CPU
     # generators do not have: "RuntimeError: CPU Generator does not use offset" kills the engine.
-    for name in ("plain_small", "eagle2_small", "roomy"):
+    for name in (*SMALL_ENGINES, "roomy"):
         assert offline[name]["seeded"]["error"] is None, (name, offline[name]["seeded"]["error"])
+    # The fixed budget's trees do not change run to run (the adaptive budget's do, and with them the
+    # draws: tests/test_engine_requests.py).
     chunked, cached = offline["eagle2_small"]["seeded"]["runs"]
     assert chunked == cached  # two prefill chunks or one step: the same seeded draws
     assert offline["plain_small"]["seeded"]["runs"] == offline["roomy"]["seeded"]["runs"] * 2
@@ -405,7 +432,7 @@ def test_seeded_sampling_with_a_chunked_prefill(offline: dict[str, Any]) -> None
 
 def test_abort_of_preempted_and_running_requests_frees_their_blocks(offline: dict[str, Any]) -> None:
     """Aborting a preempted and a running request frees their blocks; the others are unchanged."""
-    for name in ("plain_small", "eagle2_small"):
+    for name in SMALL_ENGINES:
         abort = offline[name]["abort"]
         assert len(abort["aborted"]) == 2 and not abort["unfinished"], (name, abort["aborted"])
         assert abort["free_end"] == offline[name]["free_start"], name

@@ -19,7 +19,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import run_llm
+from conftest import assert_accepted_at_every_position, assert_trees_exercised, run_llm
 from scipy.stats import chi2_contingency
 
 from vllm_eagle2 import draft_vocab
@@ -31,8 +31,10 @@ NUM_SAMPLES = 400
 MAX_TOKENS = 4
 PROMPT = {"prompt_token_ids": [17, 250, 99, 31, 402, 77, 8, 190]}
 SPEC = dict(num_speculative_tokens=12, depth=4, topk=3)
-#: Step costs (seconds = a + b * tokens) that make a few nodes per request pay.
-STEP_COSTS = '{"target": [0.02, 0.0005], "level": [0.001, 0.0001], "overhead": 0.002}'
+#: Step costs (seconds = a + b * tokens) under which, at temperature 1 and 32 requests a step, the
+#: adaptive budget gives requests trees of 1 to 12 nodes, some of them deep enough to be accepted 3 deep.
+#: (Under test_engine_lossless.py's costs it drafted in 3 steps of 52, never past depth 1.)
+STEP_COSTS = '{"target": [0.02, 0.00001], "level": [0.0002, 0.00001], "overhead": 0.001}'
 
 
 def sampling_params():
@@ -44,13 +46,24 @@ def sampling_params():
     ]
 
 
-def sample(target, spec, fresh_process: bool = False) -> np.ndarray:
+def sample(target, spec, fresh_process: bool = False, positions: int = MAX_TOKENS - 1) -> np.ndarray:
+    """NUM_SAMPLES seeded samples of MAX_TOKENS tokens; with ``spec``, asserts what the engine
+    exercised (:func:`assert_speculation_decided`, drafts accepted 1 to ``positions`` deep)."""
     outputs, metrics = run_llm(
         target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32, fresh_process=fresh_process
     )
     if spec is not None:
-        assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, "no draft was accepted"
+        assert_speculation_decided(metrics, spec, positions)
     return np.array([list(o.outputs[0].token_ids) for o in outputs])
+
+
+def assert_speculation_decided(metrics: dict, spec: dict, positions: int) -> None:
+    """Drafts were verified and accepted at every draft position 1 to ``positions`` (so at each
+    output position that the chi-square tests compare, drafts decided tokens), and eagle2's trees
+    branched: rows recomputed with their tree masks, accepted off-chain nodes' K/V moved."""
+    assert_accepted_at_every_position(metrics, positions)
+    if spec["method"] == "eagle2":
+        assert_trees_exercised(metrics)
 
 
 def homogeneity_pvalue(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float:
@@ -83,8 +96,7 @@ def reference(pair) -> np.ndarray:
 
 @pytest.mark.parametrize("budget", ["fixed", "adaptive"])
 def test_sampled_tokens_follow_the_target_distribution(pair, reference, budget, monkeypatch):
-    # The adaptive budget on fixed costs under which trees are worth a few nodes each, so that
-    # requests and steps carry trees of different sizes (and some none).
+    # The adaptive budget on fixed costs under which requests and steps carry trees of different sizes.
     monkeypatch.setenv(COSTS_ENV, STEP_COSTS)
     target, head = pair
     spec = {"method": "eagle2", "model": str(head), **SPEC, "budget": budget}
@@ -97,7 +109,8 @@ def test_sampled_tokens_with_an_eagle3_head_follow_the_target_distribution(pair,
     # Draft probabilities over the head's own vocabulary, mapped to target ids: tokens outside it are
     # never drafted, and the residual distribution must still restore them.
     spec = {"method": "eagle2", "model": str(eagle3_head), **SPEC, "budget": "fixed"}
-    spec_samples = sample(pair[0], spec)
+    # This head seldom agrees twice in a row at temperature 1: of 400 samples none accepted 3 drafts.
+    spec_samples = sample(pair[0], spec, positions=2)
     pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) > 1e-3, pvalues
 
@@ -144,6 +157,8 @@ def sample_filtered(target, spec) -> tuple[list[np.ndarray], dict]:
     prompts = TWO_PROMPTS * PER_PROMPT
     params = [SamplingParams(**FILTERED, seed=5000 + i) for i in range(len(prompts))]
     outputs, metrics = run_llm(target, spec, prompts, params, max_num_seqs=32, compiled=True)
+    if spec is not None:  # output positions 2 to 6, trees 4 deep
+        assert_speculation_decided(metrics, spec, min(FILTERED["max_tokens"] - 1, SPEC["depth"]))
     tokens = np.array([list(o.outputs[0].token_ids) for o in outputs])
     return [tokens[i :: len(TWO_PROMPTS)] for i in range(len(TWO_PROMPTS))], metrics
 
@@ -164,10 +179,7 @@ def filtered_reference(pair) -> list[np.ndarray]:
 def test_compiled_top_k_top_p_samples_follow_the_target_distribution_at_every_depth(pair, filtered_reference):
     target, head = pair
     spec = {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"}
-    samples, metrics = sample_filtered(target, spec)
-    per_depth = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][: SPEC["depth"]]
-    assert all(n > 0 for n in per_depth), per_depth  # drafts accepted at every depth of the trees
-    assert metrics["eagle2"]["kv_moves"] > 0, metrics["eagle2"]  # and off-chain paths among them
+    samples, _ = sample_filtered(target, spec)  # drafts accepted at every depth of the trees
     pvalues = filtered_pvalues(filtered_reference, samples)
     assert min(pvalues) > 1e-3, pvalues
 

@@ -2,9 +2,11 @@
 
 One server per module runs the "partial" tiny pair (a head that agrees with its target
 only part of the time) with ``--speculative-config '{"method": "eagle2", ...}'`` on
-127.0.0.1. At temperature 0, completions and chat completions, streamed or not, give the
-tokens and text of the same target run offline without speculation, and ``/metrics``
-shows drafts being accepted.
+127.0.0.1, under eagle2's default budget, the adaptive one (on fixed step costs, so that its
+decisions do not depend on timing; ``tests/test_reliability.py`` serves the fixed budget). At
+temperature 0, completions and chat completions, streamed or not, give the tokens and text of
+the same target run offline without speculation, while the server verifies branching trees,
+and ``/metrics`` shows drafts being accepted.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import httpx
 import openai
 import pytest
 from conftest import run_llm
+from test_engine_lossless import STEP_COSTS
 
+from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2_tools.soak.server import stop_group
 from vllm_eagle2_tools.testing import build_pair
 
-SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3, "budget": "fixed"}
+SPEC = {"method": "eagle2", "num_speculative_tokens": 12, "depth": 4, "topk": 3}  # the default budget
 MAX_TOKENS = 32
 COMPLETION_PROMPTS = ["import json", "def add(a, b):"]
 CHAT = [
@@ -128,7 +132,8 @@ def server(pair, reference, tmp_path_factory) -> Iterator[str]:
     target, head = pair
     port = free_port()
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vLLM's development routes give POST /collective_rpc: the eagle2 counters (see ``eagle2_rpc``).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", COSTS_ENV: STEP_COSTS, "VLLM_SERVER_DEV_MODE": "1"}
     with open(log, "wb") as sink:
         process = subprocess.Popen(
             serve_command(target, head, port),
@@ -160,14 +165,33 @@ def extra(item: Any, name: str) -> Any:
     return (item.model_extra or {}).get(name)
 
 
-def test_completion_equals_no_speculation(client, model, reference):
+def eagle2_rpc(server: str, method: str) -> dict[str, Any]:
+    """The server's eagle2 counters: ``eagle2_stats`` (what its verification exercised) or
+    ``eagle2_budget_summary``, through vLLM's ``/collective_rpc`` (VLLM_SERVER_DEV_MODE)."""
+    reply = httpx.post(f"{server}/collective_rpc", json={"method": method}, timeout=REQUEST_SECONDS)
+    reply.raise_for_status()
+    (result,) = reply.json()["results"]  # one worker
+    return result
+
+
+@pytest.fixture
+def exercised(server) -> Iterator[None]:
+    """Asserts after the test that the server verified drafts meanwhile, recomputed branching trees
+    and moved accepted off-chain nodes' K/V (so drafts were accepted, off the leading chain too)."""
+    before = eagle2_rpc(server, "eagle2_stats")
+    yield
+    after = eagle2_rpc(server, "eagle2_stats")
+    assert all(after[k] > before[k] for k in ("drafts", "tree_rows", "kv_moves")), (before, after)
+
+
+def test_completion_equals_no_speculation(client, model, reference, exercised):
     reply = client.completions.create(model=model, prompt=COMPLETION_PROMPTS, **GREEDY, extra_body=EXTRA)
     choices = sorted(reply.choices, key=lambda c: c.index)
     got = [Generation(extra(c, "prompt_token_ids"), extra(c, "token_ids"), c.text) for c in choices]
     assert got == reference["completion"]
 
 
-def test_streamed_completion_equals_no_speculation(client, model, reference):
+def test_streamed_completion_equals_no_speculation(client, model, reference, exercised):
     stream = client.completions.create(
         model=model, prompt=COMPLETION_PROMPTS, **GREEDY, stream=True, extra_body=EXTRA
     )
@@ -182,14 +206,14 @@ def test_streamed_completion_equals_no_speculation(client, model, reference):
     assert [Generation(prompts[i], tokens[i], texts[i]) for i in tokens] == reference["completion"]
 
 
-def test_chat_completion_equals_no_speculation(client, model, reference):
+def test_chat_completion_equals_no_speculation(client, model, reference, exercised):
     reply = client.chat.completions.create(model=model, messages=CHAT, **GREEDY, extra_body=EXTRA)
     (choice,) = reply.choices
     got = Generation(extra(reply, "prompt_token_ids"), extra(choice, "token_ids"), choice.message.content)
     assert [got] == reference["chat"]
 
 
-def test_streamed_chat_completion_equals_no_speculation(client, model, reference):
+def test_streamed_chat_completion_equals_no_speculation(client, model, reference, exercised):
     stream = client.chat.completions.create(
         model=model, messages=CHAT, **GREEDY, stream=True, extra_body=EXTRA
     )
@@ -227,3 +251,11 @@ def test_mean_acceptance_length_is_above_one(spec_metrics):
     drafts = spec_metrics["vllm:spec_decode_num_drafts"]
     assert drafts > 0, spec_metrics
     assert 1.0 + spec_metrics["vllm:spec_decode_num_accepted_tokens"] / drafts > 1.0
+
+
+def test_the_default_budget_sizes_trees_step_to_step(server, spec_metrics):
+    """The adaptive budget planned the server's trees: it drafted, trees of several sizes."""
+    budget = eagle2_rpc(server, "eagle2_budget_summary")
+    assert budget is not None, "the server runs the fixed budget"
+    assert budget["steps"] > budget["steps_without_drafts"], budget
+    assert len(budget["drafts_per_step"]) >= 3, budget

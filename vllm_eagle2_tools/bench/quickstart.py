@@ -79,6 +79,7 @@ class Setup:
     description: str
     knobs: dict[str, Any] = field(default_factory=dict)
     prompts: list[dict[str, list[int]]] = field(default_factory=list)
+    cuda: bool = False  # the engines run on a CUDA GPU (float32 greedy equality is then not exact)
 
     @property
     def spec(self) -> dict[str, Any]:
@@ -146,6 +147,9 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
             description=f"target {model}, head {head}, prompts: {source}",
         )
     setup.prompts = datasets.token_prompts(setup.model, datasets.repeated(questions, args.num_prompts))
+    import torch
+
+    setup.cuda = torch.cuda.is_available()
     for option, key in KNOB_OPTIONS.items():
         if getattr(args, option) is not None:
             setup.knobs[key] = getattr(args, option)
@@ -280,7 +284,10 @@ def speedup_summary(base: EngineRuns, eagle: EngineRuns) -> tuple[float, float, 
 
 
 def warnings_for(base: EngineRuns, eagle: EngineRuns) -> list[str]:
-    """Why the measured speed-up cannot be trusted, if it cannot (empty when it can)."""
+    """Why the measured speed-up cannot be trusted, if it cannot (empty when it can).
+
+    Each check needs data the run may lack: see :func:`unchecked` for the ones that could not run.
+    """
     found = []
     median, _, _ = speedup_summary(base, eagle)
     tau = eagle.acceptance_length
@@ -300,11 +307,67 @@ def warnings_for(base: EngineRuns, eagle: EngineRuns) -> list[str]:
     return found
 
 
+def unchecked(base: EngineRuns, eagle: EngineRuns) -> list[str]:
+    """The checks of :func:`warnings_for` that could not run on these rounds, and why: without
+    drafts there is no tau to bound the speed-up, and one round has no spread."""
+    found = []
+    if eagle.acceptance_length is None:
+        found.append("the speed-up against tau: eagle2 drafted nothing, so there is no tau")
+    rounds = min(len(base.speeds), len(eagle.speeds))
+    if rounds < 2:
+        found.append(
+            f"whether the machine's speed moved between rounds: it needs at least 2 timed rounds, this "
+            f"run had {rounds} (--rounds)"
+        )
+    return found
+
+
+def differing(base: EngineRuns, eagle: EngineRuns) -> list[int]:
+    """The first differing token of each last-round output pair that differs (sorted)."""
+    return sorted(first_divergence(a, b) for a, b in zip(base.tokens, eagle.tokens) if a != b)
+
+
+def exact(setup: Setup, args: argparse.Namespace) -> bool:
+    """Whether eagle2's outputs must equal no speculation's token for token: greedy, float32, CPU.
+
+    Not in bf16, where near-ties round either way, nor on CUDA, where vLLM's Triton attention takes
+    float32 dot products in TF32 while eagle2's tree attention keeps IEEE float32.
+    """
+    return args.temperature == 0.0 and setup.dtype == "float32" and not setup.cuda
+
+
+def failures(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Namespace) -> list[str]:
+    """Why the quickstart fails (exit status 1), empty when it passes.
+
+    It fails when eagle2 verified no drafts (the demo then showed plain decoding, not eagle2), and
+    when greedy float32 outputs on a CPU differ from no speculation's: there they must be identical
+    token for token, and a difference is a bug (docs/design.md, section 4).
+    """
+    found = []
+    if eagle.acceptance_length is None:
+        why = (
+            "its adaptive budget found that drafting would not pay on this machine for this batch "
+            "(docs/budget.md) and ran as plain decoding; `--budget fixed` drafts every step"
+            if setup.knobs.get("budget", "adaptive") == "adaptive"
+            else "a fixed budget drafts every step it can, so something kept the requests from drafting"
+        )
+        found.append(f"eagle2 verified no drafts in any timed round, so this run did not exercise it: {why}")
+    diffs = differing(base, eagle)
+    if exact(setup, args) and diffs:
+        found.append(
+            f"{len(diffs)} of {len(base.tokens)} greedy outputs differ from no speculation's (first "
+            f"difference at token {diffs}): in float32 they must be identical token for token, so this is "
+            "a bug (docs/design.md, section 4)"
+        )
+    return found
+
+
 def report(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Namespace) -> str:
-    """The summary printed at the end: set-up lines, the comparison table, and any warning."""
+    """The summary printed at the end: set-up lines, the comparison table, any warning, the checks
+    that could not run, and FAIL lines (:func:`failures`)."""
     greedy = args.temperature == 0.0
     same = sum(a == b for a, b in zip(base.tokens, eagle.tokens))
-    first_diff = [first_divergence(a, b) for a, b in zip(base.tokens, eagle.tokens) if a != b]
+    first_diff = differing(base, eagle)
     tau = eagle.acceptance_length
     median, low, high = speedup_summary(base, eagle)
     rows = [
@@ -329,21 +392,29 @@ def report(setup: Setup, base: EngineRuns, eagle: EngineRuns, args: argparse.Nam
         "",
         format_table(rows),
     ]
-    if tau is None:
-        lines.append(
-            "\neagle2 verified no drafts: its adaptive budget found that drafting would not pay on this "
-            "machine for this batch (docs/budget.md); it then runs as plain decoding"
+    if greedy and first_diff and not exact(setup, args):  # exact runs that differ fail below
+        why = (
+            "on CUDA vLLM's Triton attention takes float32 dot products in TF32, eagle2's tree attention in "
+            "IEEE float32"
+            if setup.dtype == "float32"
+            else f"{setup.dtype} near-ties can flip"
         )
-    if greedy and first_diff:
-        note = "expected to be rare in float32" if setup.dtype == "float32" else "bf16 near-ties can flip"
-        lines.append(f"\ndiverging outputs: first difference at token {sorted(first_diff)} ({note})")
+        lines.append(
+            f"\ndiverging outputs: first difference at token {first_diff} (not exact: {why}; "
+            "scripts/smoke_check.py checks each such difference against the logprobs)"
+        )
     for warning in warnings_for(base, eagle):
         lines.append(f"\nUNRELIABLE: {warning}. Rerun on an idle machine, or with more --rounds.")
+    for what in unchecked(base, eagle):
+        lines.append(f"\nNOT CHECKED: {what}.")
+    for failure in failures(setup, base, eagle, args):
+        lines.append(f"\nFAIL: {failure}.")
     return "\n".join(lines)
 
 
 def run_quickstart(args: argparse.Namespace) -> int:
-    """Run both engines and print the comparison; returns the exit status.
+    """Run both engines and print the comparison; returns the exit status: 1 on a failure
+    (:func:`failures`: no drafts verified, or a float32 greedy difference on a CPU), else 0.
 
     ``args``: the options of ``scripts/quickstart.py`` (model, head, num_prompts, max_tokens,
     rounds, the eagle2 knobs of :data:`KNOB_OPTIONS`, dtype, temperature, batch_size,
@@ -354,4 +425,4 @@ def run_quickstart(args: argparse.Namespace) -> int:
     log(setup.description)
     base, eagle = run_rounds(setup, setup.spec, args)
     print(report(setup, base, eagle, args), flush=True)
-    return 0
+    return 1 if failures(setup, base, eagle, args) else 0
