@@ -13,9 +13,11 @@ Float32 tiny models, greedy, against the same engine without speculation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -180,15 +182,26 @@ def tp2(pair) -> dict:
     at the timeout instead of stalling the suite."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop(COSTS_ENV, None)  # every default, the budget's timings included
-    proc = subprocess.run(
+    # Its own process group: on a hang the workers go too (a hung rank left alone spins on a core).
+    proc = subprocess.Popen(
         [sys.executable, "-c", TP2_RUN, str(pair[0]), str(pair[1])],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=1200,
+        start_new_session=True,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=1200)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = "", "(killed)"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if stderr == "(killed)":
+        pytest.fail("TP=2 engines gave no result in 1200 s: a rank hung?")
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
