@@ -783,8 +783,8 @@ def decisions_of_ranks(budgets: list) -> list[list]:
         for rank, budget in enumerate(budgets):
             slow = (1.0 + 2.0 * rank) * rng.uniform(0.8, 1.6)
             budget.observe_target(batch * 4, slow * 0.02 * (1 + batch * 4 / 16), verifies=step % 2 == 1)
-            budget.level.observe(batch * 3, slow * 0.002)
             plan = budget.plan(batch)
+            budget.level.observe(batch * 3, slow * 0.002)  # the step's own levels, before its allocation
             alone = budget.chains_alone_pay(plan, reach) if plan.drafts else None
             counts = budget.allocate(plan, values, depths, torch.ones(batch, dtype=torch.bool)).tolist()
             budget.count_step(plan, counts)
@@ -845,3 +845,31 @@ def test_the_cuda_clock_resolves_every_step_and_a_plain_steps_overhead_excludes_
         FakeEvent.now[0] += 0.002  # between steps
     assert len(budget.clock.pending) <= 1
     assert budget.overhead == pytest.approx(0.01, rel=0.05)  # not the pass's 0.05 on top
+
+
+def test_a_steps_prices_are_frozen_at_its_plan(monkeypatch):
+    """The step's own timings (its draft levels, measured before the allocation) move the curves for
+    later steps only: a rank's clock cannot reach this step's allocation."""
+    from vllm_eagle2.budget import adaptive
+
+    monkeypatch.delenv("VLLM_EAGLE2_STEP_COSTS", raising=False)
+    seen = []
+    monkeypatch.setattr(
+        adaptive, "allocate_nodes", lambda *args, **kwargs: seen.append(args[4]) or args[2].long()
+    )
+    budget = rank_budgets(joined=False)[0]
+    budget.calibrate(lambda tokens: 0.02 * (1 + tokens / 16), lambda rows: 0.002)
+    plan = budget.plan(2)
+    args = (
+        plan,
+        torch.full((2, 12), 0.5).log(),
+        torch.ones(2, 12, dtype=torch.long),
+        torch.ones(2, dtype=torch.bool),
+    )
+    budget.allocate(*args)
+    budget.level.observe(6, 5.0)  # a level timed far slower, mid-step
+    budget.allocate(*args)
+    assert torch.equal(seen[0], seen[1])
+    budget.plan(2)
+    budget.allocate(*args)
+    assert not torch.equal(seen[0], seen[2])  # the next step prices it

@@ -319,21 +319,20 @@ class AdaptiveBudget:
         """The prices :meth:`plan` froze for this step (the current ones before any plan)."""
         return self._prices if self._prices is not None else self._costs()
 
-    def _costs(self) -> dict[str, Any]:
-        """The cost model as :func:`plan_draft` and :func:`step_cost` take it."""
+    def _costs(self, frozen: bool = False) -> dict[str, Any]:
+        """The cost model as :func:`plan_draft` and :func:`step_cost` take it; ``frozen``: on copies
+        of the curves, which the step's own timings (a draft level's, before the allocation) leave
+        as they are."""
         speed, drafting = self.speed, self.drafting_speed
+        target, verify, level = (c.copy() if frozen else c for c in (self.target, self.verify, self.level))
         if self.draft_overhead is None:
             draft_overhead = speed * self.overhead
         else:
             draft_overhead = drafting * self.draft_overhead
-        if self.verify.observed:
-            verify = ScaledCurve(self.verify, drafting)
-        else:
-            verify = ScaledCurve(self.target, speed)
         return {
-            "target": ScaledCurve(self.target, speed),
-            "verify": verify,
-            "level": ScaledCurve(self.level, drafting),
+            "target": ScaledCurve(target, speed),
+            "verify": ScaledCurve(verify, drafting) if verify.observed else ScaledCurve(target, speed),
+            "level": ScaledCurve(level, drafting),
             "overhead": speed * (self.overhead + self.between),
             "draft_overhead": draft_overhead + speed * self.between,
         }
@@ -370,7 +369,7 @@ class AdaptiveBudget:
         self._step += 1
         if self.fixed is None and self.agree is not same_everywhere:
             self.load_cost_state(self.agree(self.cost_state()))
-        costs = self._prices = self._costs()
+        costs = self._prices = self._costs(frozen=True)
         cached = self._plans.get(batch)
         if cached is not None and self._step - cached[0] < REPLAN_STEPS:
             step, plan, planned, planned_none = cached
