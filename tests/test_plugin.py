@@ -651,9 +651,13 @@ def test_diffkv_attention_backends_are_refused_when_the_layers_load():
 def test_kernel_blocks_that_split_the_managers_blocks_are_refused():
     from vllm_eagle2.engine.attention import check_kernel_blocks
 
-    check_kernel_blocks([128, 16], [128, 16])  # whole blocks: accepted
+    def config(*sizes: int) -> SimpleNamespace:
+        groups = [SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=n)) for n in sizes]
+        return SimpleNamespace(kv_cache_groups=groups)
+
+    check_kernel_blocks(config(128, 16), [128, 16])  # whole blocks: accepted
     with pytest.raises(RuntimeError, match="group 1 keeps blocks of 256 tokens .* blocks of 64"):
-        check_kernel_blocks([16, 256], [16, 64])
+        check_kernel_blocks(config(16, 256), [16, 64])
 
 
 @pytest.mark.parametrize(

@@ -261,15 +261,20 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
         impl._eagle2_wrapped = True
 
 
-def check_kernel_blocks(manager_block_sizes: list[int], kernel_block_sizes: list[int] | None) -> None:
+def check_kernel_blocks(kv_cache_config: Any, kernel_block_sizes: list[int] | None) -> None:
     """Refuse kernel blocks that split the KV manager's blocks (vLLM 0.32 splits them for some
     backends and hybrid models): tree attention and the K/V moves index the manager's block table.
 
-    manager_block_sizes / kernel_block_sizes: per KV-cache group, tokens per block.
+    kv_cache_config: vLLM's KVCacheConfig; kernel_block_sizes: per KV-cache group but encoder-only
+    ones (as vLLM lists them), tokens per kernel block.
 
     Raises:
         RuntimeError: naming the group and both sizes.
     """
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    manager_block_sizes = [
+        spec.block_size for spec in specs if type(spec).__name__ != "EncoderOnlyAttentionSpec"
+    ]
     for group, (manager, kernel) in enumerate(zip(manager_block_sizes, kernel_block_sizes or [])):
         if manager != kernel:
             raise RuntimeError(

@@ -135,10 +135,7 @@ class Eagle2Proposer(EagleProposer):
         self, kv_cache_config: Any, kernel_block_sizes: list[int] | None = None
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
-        # vLLM lists kernel block sizes for every group but encoder-only ones.
-        specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-        sizes = [spec.block_size for spec in specs if type(spec).__name__ != "EncoderOnlyAttentionSpec"]
-        attention.check_kernel_blocks(sizes, kernel_block_sizes)
+        attention.check_kernel_blocks(kv_cache_config, kernel_block_sizes)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)

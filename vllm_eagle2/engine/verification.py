@@ -194,7 +194,7 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
     counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
     tokens, valid, n = _padded_drafts(meta, device, _verify_width(runner, meta.num_draft_tokens))
     trees = _matched_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
-    runner.drafter.counters.count_unmatched(valid & ~trees.known)
+    runner.drafter.counters.unmatched_drafts += (valid & ~trees.known).sum()
     width = tokens.shape[1]
     row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
     row_start = to_device(row_start_host, device)
@@ -385,9 +385,6 @@ class VerifyCounters:
     def __post_init__(self) -> None:
         self.kv_moves = torch.zeros(1, dtype=torch.long, device=self.device)
         self.unmatched_drafts = torch.zeros(1, dtype=torch.long, device=self.device)
-
-    def count_unmatched(self, unmatched: torch.Tensor) -> None:
-        self.unmatched_drafts += unmatched.sum()
 
     def count_tree_rows(self, requests: int, rows: int) -> None:
         self.branched_steps += requests > 0
