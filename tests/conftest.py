@@ -59,7 +59,8 @@ def run_llm(
     metrics maps counter names to values and vector names to lists; with eagle2, "eagle2_budget"
     holds the adaptive budget's counters (None with the fixed budget) and "eagle2" what the tree
     verification exercised (:class:`vllm_eagle2.engine.verification.VerifyCounters`).
-    "compiled_graphs" counts the model graphs torch.compile built or loaded for this engine: one per
+    "aot_loaded" counts the model graphs loaded whole from vLLM's compile cache (no trace, no
+    Inductor), None where unread. "compiled_graphs" counts the model graphs torch.compile built or loaded for this engine: one per
     model (the target, and the head where the spec has one) when ``compiled``, none when eager;
     asserted here, so that no compiled test runs eager unseen. It is read in this process: None where
     the model runs in others (``fresh_process``, or more than one worker), which ``compiled`` refuses.
@@ -88,12 +89,15 @@ def run_llm(
         disable_log_stats=False,
     )
     kwargs.update(engine_kwargs)
-    graphs_before = compiled_graphs()
+    graphs_before, loaded_before = compiled_graphs(), aot_loaded()
     with scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if fresh_process else "0"}):
         llm = LLM(speculative_config=spec, **kwargs)
         try:
             outputs = llm.generate(list(prompts), params, use_tqdm=False)
-            metrics: dict[str, Any] = {"compiled_graphs": compiled_graphs() - graphs_before if here else None}
+            metrics: dict[str, Any] = {
+                "compiled_graphs": compiled_graphs() - graphs_before if here else None,
+                "aot_loaded": aot_loaded() - loaded_before if here else None,
+            }
             for m in llm.get_metrics():
                 metrics[m.name] = m.value if hasattr(m, "value") else list(getattr(m, "values", []))
             if spec is not None and spec.get("method") == "eagle2":
@@ -121,9 +125,15 @@ def compiled_graphs() -> int:
     counters stay at zero on this CPU, where vLLM hands the trace to torch's own Inductor backend.
     """
     from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"] + aot_loaded()
+
+
+def aot_loaded() -> int:
+    """Model graphs loaded whole from vLLM's ahead-of-time compile cache in this process so far."""
     from vllm.compilation.counter import compilation_counter
 
-    return counters["stats"]["unique_graphs"] + compilation_counter.num_aot_artifacts_loaded
+    return compilation_counter.num_aot_artifacts_loaded
 
 
 def acceptance_length(metrics: dict[str, Any]) -> float:

@@ -144,6 +144,16 @@ def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, m
     assert 1.2 < tau < knobs["depth"] + 1  # partly accepted trees, not all-or-nothing
 
 
+def test_a_compiled_engine_loaded_from_the_compile_cache_equals_no_speculation(models, prompts, reference, m12):
+    """The second compiled engine of a model loads vLLM's compile cache (on CPU it failed to load
+    and compiled again, a minute per engine on SmolLM2) and is as exact as the one that compiled."""
+    m12("compiled")  # compiles, or loads a cache an earlier engine left
+    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy(), compiled=True)
+    assert metrics["aot_loaded"] == 2  # the target and the head, no trace
+    assert tokens_of(outputs) == reference("compiled")
+    assert_trees_exercised(metrics)
+
+
 def test_compiled_mode_accepts_as_many_drafts_as_eager(m12):
     """Same trees, same verifier: a compiled head that misread its inputs drafted worse (vLLM's
     compiled head was traced on int32 ids; int64 ids took tau from 3.67 to 2.12 here)."""

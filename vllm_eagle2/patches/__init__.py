@@ -34,8 +34,11 @@ Index (vLLM 0.32). Why / How / Upstream / Remove when:
 * :mod:`.cpu_build` -- vLLM's CPU build only. Why: the bf16 "amx" KV layout is not one the tree
   kernel reads; a seeded request with a chunked prefill crashed (``set_offset`` on a CPU
   generator); the CPU ``expand_kernel`` wrote into a copy (vLLM's own speculative methods
-  sampled wrongly, opt-in fix ``VLLM_EAGLE2_FIX_VLLM_CPU=1``). Remove when: the CPU build reads
-  "vec" for speculative engines, restores CPU generators, and writes into ``output``.
+  sampled wrongly, opt-in fix ``VLLM_EAGLE2_FIX_VLLM_CPU=1``); vLLM's compile cache never loaded
+  (``_try_load_aot_compiled_fn`` calls ``finalize_loading`` on torch's bundled Inductor callable,
+  which lacks it; every engine compiled again, a minute each on SmolLM2): that callable gets a
+  no-op one, in every CPU engine. Remove when: the CPU build reads "vec" for speculative engines,
+  restores CPU generators, writes into ``output``, and checks for ``finalize_loading``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import logging
 
 from .cpu_build import FIX_VLLM_CPU_ENV, VEC_LAYOUT_ENV
 from .cpu_build import patch_cpu_attention as _patch_cpu_attention
+from .cpu_build import patch_cpu_compile_cache as _patch_cpu_compile_cache
 from .cpu_build import patch_cpu_sampling_expansion as _patch_cpu_sampling_expansion
 from .model_runner import DRAFTS_ATTR
 from .model_runner import patch_model_runner as _patch_runner
@@ -107,6 +111,7 @@ def apply() -> bool:
             _patch_workers,
             _patch_engine_core,
             _patch_cpu_attention,
+            _patch_cpu_compile_cache,
             _patch_cpu_sampling_expansion,
         ):
             patch()

@@ -58,6 +58,32 @@ def patch_cpu_attention() -> None:
     set_attr(cpu_attn, "_get_attn_isa", _get_attn_isa)
 
 
+def patch_cpu_compile_cache() -> None:
+    """vLLM's compile cache loads on CPU instead of failing and compiling both engines again.
+
+    On CPU vLLM compiles with mode ``DYNAMO_TRACE_ONCE`` and the ``"inductor"`` backend, so torch
+    saves the model as a ``BundledAOTAutogradSerializableCallable``; on load vLLM calls
+    ``finalize_loading``, which only its own ``VllmSerializableFunction`` has, and the wrapper's
+    ``__getattr__`` forwards it to a plain function: "'function' object has no attribute
+    'finalize_loading'", then a full compile (about a minute per engine here). The bundled
+    callable is complete once deserialised, so finalising it is a no-op.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as bundled
+    except ImportError:  # a torch without AOT compile: vLLM compiles as before
+        return
+    if "finalize_loading" not in bundled.__dict__:
+        set_attr(bundled, "finalize_loading", _nothing_to_finalize)
+
+
+def _nothing_to_finalize(self: Any, vllm_config: Any) -> None:
+    """``finalize_loading`` of a callable that deserialisation already made complete."""
+
+
 def patch_cpu_sampling_expansion() -> None:
     """With the opt-in only (eagle2 verifies with its own sampler and never calls it): the CPU
     ``expand_kernel`` of vLLM's rejection sampler wrote into an int64 copy of its output, so the
