@@ -144,7 +144,9 @@ def test_greedy_dynamic_tree_equals_no_speculation(models, prompts, reference, m
     assert 1.2 < tau < knobs["depth"] + 1  # partly accepted trees, not all-or-nothing
 
 
-def test_a_compiled_engine_loaded_from_the_compile_cache_equals_no_speculation(models, prompts, reference, m12):
+def test_a_compiled_engine_loaded_from_the_compile_cache_equals_no_speculation(
+    models, prompts, reference, m12
+):
     """The second compiled engine of a model loads vLLM's compile cache (on CPU it failed to load
     and compiled again, a minute per engine on SmolLM2) and is as exact as the one that compiled."""
     m12("compiled")  # compiles, or loads a cache an earlier engine left
