@@ -61,7 +61,8 @@ def run_llm(
     verification exercised (:class:`vllm_eagle2.engine.verification.VerifyCounters`).
     "aot_loaded" counts the model graphs loaded whole from vLLM's compile cache (no trace, no
     Inductor), None where unread. "compiled_graphs" counts the model graphs torch.compile built or
-    loaded for this engine: one per model (the target, and the head where the spec has one) when ``compiled``, none when eager;
+    loaded for this engine: one per model (the target, and the head where the spec has one) when
+    ``compiled``, none when eager;
     asserted here, so that no compiled test runs eager unseen. It is read in this process: None where
     the model runs in others (``fresh_process``, or more than one worker), which ``compiled`` refuses.
     """

@@ -150,7 +150,8 @@ def test_a_compiled_engine_loaded_from_the_compile_cache_equals_no_speculation(
     """The second compiled engine of a model loads vLLM's compile cache (on CPU it failed to load
     and compiled again, a minute per engine on SmolLM2) and is as exact as the one that compiled."""
     m12("compiled")  # compiles, or loads a cache an earlier engine left
-    outputs, metrics = run_llm(models["partial"], eagle2(models["noisy"], **M12), prompts, greedy(), compiled=True)
+    spec = eagle2(models["noisy"], **M12)
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=True)
     assert metrics["aot_loaded"] == 2  # the target and the head, no trace
     assert tokens_of(outputs) == reference("compiled")
     assert_trees_exercised(metrics)
