@@ -195,6 +195,7 @@ LAYERS = {
         "test_reliability",
         "test_serve",
         "test_edges",
+        "test_catch_up",
     },
     "tools": {
         "test_bench_rounds",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
+from vllm_eagle2.engine.catch_up import DeferredCatchUp
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
@@ -47,6 +48,9 @@ from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
+
+if TYPE_CHECKING:
+    from vllm_eagle2.engine.step import Eagle2Step
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -118,6 +122,9 @@ class Eagle2Proposer(EagleProposer):
             depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
         )
         self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
+        self._step_chains: tuple[Any, torch.Tensor] | None = None  # begin_step's lookup chains
+        self.catch_up = DeferredCatchUp(max_rows=self.max_num_tokens)
+        self.head_passes = 0
         self.counters = VerifyCounters(device)
         self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None
         self.head_skip = env_flag(HEAD_SKIP_ENV, default=True)
@@ -225,17 +232,18 @@ class Eagle2Proposer(EagleProposer):
         if self.lookup is not None:
             self.lookup.forget(req_ids)
 
-    def begin_step(self, batch: int, sampled: Any = None) -> None:
+    def begin_step(
+        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, scheduled_tokens: int = -1
+    ) -> list[list[int]] | None:
         """Plan this step's drafts for its ``batch`` requests, before vLLM prepares the drafter's inputs.
 
-        ``sampled``: vLLM's sampled tokens of this step, for the lookup chains.
+        ``sampled``: vLLM's sampled tokens of this step, for the lookup chains; ``step``: this step's
+        state (the target's hidden-state rows, whether it verified drafts); ``scheduled_tokens``:
+        the tokens the step scheduled.
 
-        The adaptive budget's bookkeeping of the target pass is done here. A step the budget keeps
-        without drafts still runs the head's catch-up pass in :meth:`propose` (no ``lm_head``, no
-        tree), as vLLM's EAGLE does every step: the head's KV must hold every token. Skipping it
-        left gaps in that context, so the drafts after a run of such steps were rejected (measured
-        at batch 1: top-1 acceptance 7% against 41%), which taught the budget that drafting never
-        pays.
+        Returns the step's drafts, all empty, when it sends none and its catch-up waits
+        (:mod:`.catch_up`): the head does no work and vLLM's drafter preparation is skipped.
+        Else None: vLLM prepares the drafter's inputs and calls :meth:`propose`.
         """
         if self.lookup is not None:
             self.lookup.take_sampled(sampled)
@@ -245,8 +253,50 @@ class Eagle2Proposer(EagleProposer):
         else:
             budget.target_done()
             plan = budget.plan(batch)
-        self._step_plan = fit_level_rows(plan, batch, self.max_num_tokens)
-        self.counters.narrowed_steps += self._step_plan is not plan
+        fitted = self._step_plan = fit_level_rows(plan, batch, self.max_num_tokens)
+        self.counters.narrowed_steps += fitted is not plan
+        self._step_chains = None
+        if self.lookup is not None and batch:
+            # A step without head drafts may still send long matches' chains: they cost no head
+            # pass, only their verification, which the allocation prices.
+            min_bucket = ALONE_MIN_BUCKET if not fitted.drafts else 0
+            req_ids = list(self.runner.input_batch.req_ids[:batch])
+            self._step_chains = self.lookup.chains(self.runner, req_ids, min_bucket)
+        if self._step_chains is not None and self._step_chains[0] is None:
+            self._step_chains = None
+        if (
+            fitted.drafts
+            or self._step_chains is not None
+            or not self._catch_up_may_wait(batch, step, scheduled_tokens, sampled)
+        ):
+            return None
+        hidden = step.hidden_states
+        rows = torch.cat(hidden[1:], dim=-1) if self.method == "eagle3" else hidden[0]
+        self.catch_up.defer(
+            list(self.runner.input_batch.req_ids[:batch]),
+            self.runner.input_batch.num_computed_tokens_cpu[:batch],
+            rows[:batch],
+            sampled[:batch, 0],
+        )
+        self._step_plan, self.proposed = None, None
+        if budget is not None:
+            budget.count_step(fitted, [0] * batch)
+        return [[] for _ in range(batch)]
+
+    def _catch_up_may_wait(
+        self, batch: int, step: Eagle2Step | None, scheduled_tokens: int, sampled: Any
+    ) -> bool:
+        """A pure decoding step (one new token per request, no drafts verified, no partial prefill)
+        whose rows the waiting queue has room for; with an EAGLE-3 head, its auxiliary rows."""
+        if step is None or step.verify is not None or scheduled_tokens != batch or batch == 0:
+            return False
+        if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1:
+            return False
+        if len(step.hidden_states) < (2 if self.method == "eagle3" else 1):
+            return False
+        if self.runner.discard_request_mask.np[:batch].any():
+            return False
+        return self.catch_up.has_room(batch)
 
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
@@ -273,6 +323,7 @@ class Eagle2Proposer(EagleProposer):
         plan, self._step_plan = self._step_plan, None
         if plan is None:
             raise RuntimeError("eagle2: propose without begin_step (the runner's propose_draft_token_ids)")
+        self._run_waiting_catch_up(cad)
         catch_up_only = num_speculative_tokens == 0 or not plan.drafts
         if budget is not None and not catch_up_only:
             budget.level_started(batch)  # the root level, its catch-up pass included
@@ -290,11 +341,8 @@ class Eagle2Proposer(EagleProposer):
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
         req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
         chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=last_hidden.device)
-        # A step the budget keeps without head drafts may still send long matches' chains: they
-        # cost no head pass, only their verification, which the allocation prices.
-        if self.lookup is not None and req_ids and num_speculative_tokens > 0:
-            min_bucket = ALONE_MIN_BUCKET if catch_up_only else 0
-            chains, buckets = self.lookup.chains(self.runner, req_ids, min_bucket)
+        if self._step_chains is not None and num_speculative_tokens > 0:
+            chains, buckets = self._step_chains
         if catch_up_only and chains is None:
             self.proposed = None
             if budget is not None:
@@ -397,4 +445,49 @@ class Eagle2Proposer(EagleProposer):
         ):
             out = self.model(**model_kwargs)
         last, hidden = out if self.model_returns_tuple() else (out, out)
+        self.head_passes += 1
         return last[:num_tokens], hidden[:num_tokens]
+
+    def _run_waiting_catch_up(self, cad: Any) -> None:
+        """The catch-up rows of the steps that sent no drafts, in one causal head pass that writes
+        the head's KV at their positions, before this step's own catch-up reads it."""
+        batch = cad.batch_size()
+        req_ids = self.runner.input_batch.req_ids[:batch]
+        waiting = self.catch_up.take(
+            {rid: i for i, rid in enumerate(req_ids)}, self.runner.input_batch.num_computed_tokens_cpu[:batch]
+        )
+        if waiting is None:
+            return
+        rows, device = len(waiting.positions), cad.query_start_loc.device
+        qsl_cpu = torch.zeros(len(waiting.counts) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.from_numpy(np.cumsum(waiting.counts)).to(torch.int32)
+        ends = torch.from_numpy(waiting.positions[np.cumsum(waiting.counts) - 1] + 1).to(torch.int32)
+        positions = to_device(waiting.positions, device)
+        block_table = cad.block_table_tensor[to_device(waiting.batch_rows, device)]
+        owner = torch.repeat_interleave(
+            torch.arange(len(waiting.counts), device=device), to_device(waiting.counts, device)
+        )
+        bs = self.block_size
+        slots = block_table[owner, positions // bs].long() * bs + positions % bs
+        caught_up = dataclasses.replace(
+            cad,
+            query_start_loc=to_device(qsl_cpu, device),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=to_device(ends, device),
+            num_reqs=len(waiting.counts),
+            num_actual_tokens=rows,
+            max_query_len=int(waiting.counts.max()),
+            max_seq_len=int(ends.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slots,
+            positions=positions,
+            seq_lens_cpu_upper_bound=ends,
+            is_prefilling=None,
+        )
+        hidden = waiting.hidden
+        if self.method == "eagle3":
+            hidden = self.model.combine_hidden_states(hidden)
+        self.input_ids[:rows] = waiting.tokens
+        self.positions[:rows] = positions
+        self.hidden_states[:rows] = hidden
+        self._run_head(caught_up, rows, first_pass=False)

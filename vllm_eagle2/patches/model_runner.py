@@ -101,9 +101,13 @@ def patch_runner_forward() -> None:
 
     def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if _is_eagle2(self):  # the target pass ends here
-            self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids)
-            if self._eagle2_step is not None:
-                self._eagle2_step.drafted = True
+            step = self._eagle2_step
+            if step is not None:
+                step.drafted = True
+            total = scheduler_output.total_num_scheduled_tokens
+            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, total)
+            if waited is not None:  # no drafts, and the head's catch-up waits: vLLM's drafter is skipped
+                return waited
         return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
 
     input_fits_in_drafter = GPUModelRunner._input_fits_in_drafter

@@ -34,7 +34,8 @@ def verify_stats(worker: Any) -> dict[str, int] | None:
     if drafter is None:
         return None
     lookup = {} if drafter.lookup is None else drafter.lookup.summary()
-    return {**drafter.counters.summary(), **lookup}
+    head = {"head_passes": drafter.head_passes, **drafter.catch_up.summary()}
+    return {**drafter.counters.summary(), **lookup, **head}
 
 
 def patch_workers() -> None:

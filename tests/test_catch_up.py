@@ -1,0 +1,190 @@
+"""A step that sends no drafts does no head work; the head's catch-up waits and runs when drafting
+resumes, so the drafts after a pause are the drafts without one (``vllm_eagle2.engine.catch_up``).
+
+The engine runs in this process (``run_llm``), so a test can pause drafting at chosen steps by
+wrapping the proposer's plan, and record every tree it drafted by the position of its root.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_llm
+from test_engine_lossless import eagle2, greedy, token_prompts, tokens_of
+
+from vllm_eagle2.budget.costs import COSTS_ENV
+from vllm_eagle2.budget.decisions import NO_DRAFTS
+from vllm_eagle2.engine import proposer as proposer_module
+from vllm_eagle2.engine.catch_up import DeferredCatchUp
+from vllm_eagle2_tools.testing import build_pair
+
+#: Step costs under which no draft ever pays: the adaptive budget sends none.
+NEVER = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
+#: Steps (counted from the first plan) at which drafting pauses; the run takes about 30 steps.
+PAUSES = (range(4, 10), range(14, 22))
+MAX_TOKENS = 64
+
+
+def waiting_rows(catch_up: DeferredCatchUp, req_ids: list[str], positions: list[int]) -> None:
+    n = len(req_ids)
+    catch_up.defer(req_ids, np.array(positions), torch.arange(n).float().unsqueeze(1), torch.arange(n))
+
+
+def test_waiting_rows_are_grouped_by_request_in_batch_order():
+    catch_up = DeferredCatchUp(max_rows=64)
+    waiting_rows(catch_up, ["a", "b"], [10, 20])
+    waiting_rows(catch_up, ["a", "b"], [11, 21])
+    rows = catch_up.take({"b": 0, "a": 1}, np.array([22, 12]))
+    assert rows.batch_rows.tolist() == [0, 1] and rows.counts.tolist() == [2, 2]
+    assert rows.positions.tolist() == [20, 21, 10, 11]
+    assert rows.hidden.squeeze(1).tolist() == [1, 1, 0, 0] and rows.tokens.tolist() == [1, 1, 0, 0]
+    assert catch_up.take({"a": 0}, np.array([12])) is None  # taken once
+
+
+def test_rows_that_no_longer_end_where_the_request_resumes_are_dropped():
+    catch_up = DeferredCatchUp(max_rows=64)
+    waiting_rows(catch_up, ["a", "b", "c"], [10, 20, 30])
+    waiting_rows(catch_up, ["a", "b", "c"], [11, 21, 31])
+    # a resumes right after its rows; b came back elsewhere (preempted and recomputed); c left.
+    rows = catch_up.take({"a": 0, "b": 1}, np.array([12, 5]))
+    assert rows.batch_rows.tolist() == [0] and rows.positions.tolist() == [10, 11]
+    assert catch_up.rows_dropped == 4
+
+
+def test_the_queue_is_bounded_in_steps_and_rows():
+    catch_up = DeferredCatchUp(max_rows=10, max_steps=3)
+    for step in range(2):
+        assert catch_up.has_room(4)
+        waiting_rows(catch_up, ["a", "b", "c", "d"], [step] * 4)
+    assert not catch_up.has_room(4)  # 12 rows would not fit one head pass
+    assert DeferredCatchUp(max_rows=100, max_steps=2).has_room(4)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("catch_up") / "partial", "partial", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return token_prompts(8, 512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    outputs, _ = run_llm(pair[0], None, prompts, greedy(MAX_TOKENS))
+    return tokens_of(outputs)
+
+
+def test_a_budget_that_never_drafts_runs_no_head_pass_between_flushes(pair, prompts, reference, monkeypatch):
+    monkeypatch.setenv(COSTS_ENV, NEVER)
+    outputs, metrics = run_llm(
+        pair[0], {"method": "eagle2", "model": str(pair[1]), "lookup": 0}, prompts, greedy(MAX_TOKENS)
+    )
+    assert tokens_of(outputs) == reference
+    stats = metrics["eagle2"]
+    assert stats["drafts"] == 0
+    steps = stats["catch_up_deferred_steps"]
+    assert steps >= 50  # every decoding step of the 64-token run waited
+    # Head passes: the prefill steps' catch-ups, and one per 16 waiting steps.
+    assert stats["head_passes"] <= 4 + stats["catch_up_flushes"]
+    assert stats["catch_up_flushes"] <= steps // 16 + 1
+
+
+def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, list[int]]]:
+    """Run-time hooks: drafting pauses at the steps in :data:`PAUSES`; every tree drafted is recorded
+    as (prompt, root position) -> (step, drafts). ``catch_up``: "waits" (eagle2's way), "every step"
+    (each step runs its own catch-up pass, as before it could wait) or "dropped" (the waiting rows
+    are thrown away: the head's context gets gaps)."""
+    record: dict[tuple, tuple[int, list[int]]] = {}
+    steps = {"n": 0}
+    fit = proposer_module.fit_level_rows
+
+    def paused_fit(plan, batch, max_rows):
+        steps["n"] += 1
+        return NO_DRAFTS if any(steps["n"] in r for r in PAUSES) else fit(plan, batch, max_rows)
+
+    class RootsSeen(proposer_module.TreeExpander):
+        def __init__(self, proposer, cad, root_pos, root_hidden):
+            super().__init__(proposer, cad, root_pos, root_hidden)
+            proposer._test_roots = root_pos.tolist()
+
+    propose = proposer_module.Eagle2Proposer.propose
+
+    def recorded(self, *args, **kwargs):
+        self._test_roots = None
+        drafts = propose(self, *args, **kwargs)
+        if self._test_roots is not None:
+            for rid, root, tokens in zip(self.runner.input_batch.req_ids, self._test_roots, drafts):
+                prompt = tuple(self.runner.requests[rid].prompt_token_ids)  # ids differ between engines
+                record[(prompt, root)] = (steps["n"], list(tokens))
+        return drafts
+
+    def dropped(self, *args):
+        self.rows_dropped += self.rows
+        self.waiting.clear()
+
+    monkeypatch.setattr(proposer_module, "fit_level_rows", paused_fit)
+    monkeypatch.setattr(proposer_module, "TreeExpander", RootsSeen)
+    monkeypatch.setattr(proposer_module.Eagle2Proposer, "propose", recorded)
+    if catch_up == "every step":
+        monkeypatch.setattr(DeferredCatchUp, "has_room", lambda self, batch: False)
+    elif catch_up == "dropped":
+        monkeypatch.setattr(DeferredCatchUp, "take", dropped)
+    return record
+
+
+def run_with_pauses(pair, prompts, monkeypatch, catch_up: str):
+    record = drafting_record(monkeypatch, catch_up=catch_up)
+    spec = eagle2(pair[1], num_speculative_tokens=12, depth=4, topk=3)
+    outputs, metrics = run_llm(pair[0], spec, prompts, greedy(MAX_TOKENS))
+    monkeypatch.undo()
+    return tokens_of(outputs), metrics, record
+
+
+@pytest.fixture(scope="module")
+def caught_up_every_step(pair, prompts):
+    with pytest.MonkeyPatch.context() as mp:
+        return run_with_pauses(pair, prompts, mp, "every step")
+
+
+def resumed(record) -> list[tuple]:
+    """The trees drafted in the first step after each pause."""
+    return [key for key, (step, drafts) in record.items() if drafts and any(step == r.stop for r in PAUSES)]
+
+
+def accepted(metrics) -> list[int]:
+    """Drafts accepted at each draft position (vLLM's counters)."""
+    return metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+
+
+def test_drafts_after_a_pause_are_the_drafts_without_one(
+    pair, prompts, reference, caught_up_every_step, monkeypatch
+):
+    tokens, metrics, record = run_with_pauses(pair, prompts, monkeypatch, "waits")
+    base_tokens, base_metrics, base = caught_up_every_step
+    assert tokens == base_tokens == reference
+    assert base_metrics["eagle2"]["catch_up_deferred_steps"] == 0
+    stats = metrics["eagle2"]
+    # A pause's first step verifies the drafts before it: its catch-up runs; the others wait.
+    assert stats["catch_up_deferred_steps"] == sum(len(r) - 1 for r in PAUSES)
+    assert stats["catch_up_flushes"] == len(PAUSES) and stats["catch_up_rows_dropped"] == 0
+    assert stats["head_passes"] < base_metrics["eagle2"]["head_passes"]
+    # The same trees at the same roots, those right after a pause included, so the same acceptance.
+    assert len(resumed(record)) >= 8 and record == base
+    assert accepted(metrics) == accepted(base_metrics) and sum(accepted(metrics)) > 0
+
+
+def test_without_the_waiting_rows_the_drafts_after_a_pause_differ(
+    pair, prompts, reference, caught_up_every_step, monkeypatch
+):
+    """The control: the same pauses with the waiting rows dropped leave the head's context with
+    gaps, and its trees after a pause change (so the test above would notice a lost catch-up)."""
+    tokens, metrics, record = run_with_pauses(pair, prompts, monkeypatch, "dropped")
+    assert tokens == reference  # still exact: only the drafts change
+    assert metrics["eagle2"]["catch_up_rows_dropped"] > 0
+    base = caught_up_every_step[2]
+    after_pause = [key for key in resumed(record) if key in base]
+    changed = sum(record[key][1] != base[key][1] for key in after_pause)
+    assert len(after_pause) >= 8 and changed >= len(after_pause) // 2
