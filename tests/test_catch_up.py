@@ -17,7 +17,7 @@ from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2.budget.decisions import NO_DRAFTS
 from vllm_eagle2.engine import proposer as proposer_module
 from vllm_eagle2.engine.catch_up import DeferredCatchUp
-from vllm_eagle2_tools.testing import build_pair
+from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 #: Step costs under which no draft ever pays: the adaptive budget sends none.
 NEVER = '{"target": [0.0, 1.0], "level": [1.0, 0.0], "overhead": 0.0}'
@@ -63,7 +63,11 @@ def test_the_queue_is_bounded_in_steps_and_rows():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return build_pair(tmp_path_factory.mktemp("catch_up") / "partial", "partial", seed=0)
+    """The partial target, and per head format a head that agrees with it part of the time."""
+    root = tmp_path_factory.mktemp("catch_up")
+    target, head = build_pair(root / "partial", "partial", seed=0)
+    eagle3 = build_eagle3_head(root / "eagle3", target, kind="partial", draft_vocab_size=400)
+    return target, {"eagle": head, "eagle3": eagle3}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,10 @@ def reference(pair, prompts):
 def test_a_budget_that_never_drafts_runs_no_head_pass_between_flushes(pair, prompts, reference, monkeypatch):
     monkeypatch.setenv(COSTS_ENV, NEVER)
     outputs, metrics = run_llm(
-        pair[0], {"method": "eagle2", "model": str(pair[1]), "lookup": 0}, prompts, greedy(MAX_TOKENS)
+        pair[0],
+        {"method": "eagle2", "model": str(pair[1]["eagle"]), "lookup": 0},
+        prompts,
+        greedy(MAX_TOKENS),
     )
     assert tokens_of(outputs) == reference
     stats = metrics["eagle2"]
@@ -135,9 +142,9 @@ def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, lis
     return record
 
 
-def run_with_pauses(pair, prompts, monkeypatch, catch_up: str):
+def run_with_pauses(pair, prompts, monkeypatch, catch_up: str, head: str = "eagle"):
     record = drafting_record(monkeypatch, catch_up=catch_up)
-    spec = eagle2(pair[1], num_speculative_tokens=12, depth=4, topk=3)
+    spec = eagle2(pair[1][head], num_speculative_tokens=12, depth=4, topk=3)
     outputs, metrics = run_llm(pair[0], spec, prompts, greedy(MAX_TOKENS))
     monkeypatch.undo()
     return tokens_of(outputs), metrics, record
@@ -145,8 +152,16 @@ def run_with_pauses(pair, prompts, monkeypatch, catch_up: str):
 
 @pytest.fixture(scope="module")
 def caught_up_every_step(pair, prompts):
-    with pytest.MonkeyPatch.context() as mp:
-        return run_with_pauses(pair, prompts, mp, "every step")
+    """``get(head)``: the run with pauses whose steps each ran their own catch-up, run on first use."""
+    done = {}
+
+    def get(head: str = "eagle"):
+        if head not in done:
+            with pytest.MonkeyPatch.context() as mp:
+                done[head] = run_with_pauses(pair, prompts, mp, "every step", head)
+        return done[head]
+
+    return get
 
 
 def resumed(record) -> list[tuple]:
@@ -159,11 +174,13 @@ def accepted(metrics) -> list[int]:
     return metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
 
 
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
 def test_drafts_after_a_pause_are_the_drafts_without_one(
-    pair, prompts, reference, caught_up_every_step, monkeypatch
+    pair, prompts, reference, caught_up_every_step, monkeypatch, head
 ):
-    tokens, metrics, record = run_with_pauses(pair, prompts, monkeypatch, "waits")
-    base_tokens, base_metrics, base = caught_up_every_step
+    """EAGLE-3 heads too: their waiting rows are the target's auxiliary hidden states."""
+    tokens, metrics, record = run_with_pauses(pair, prompts, monkeypatch, "waits", head)
+    base_tokens, base_metrics, base = caught_up_every_step(head)
     assert tokens == base_tokens == reference
     assert base_metrics["eagle2"]["catch_up_deferred_steps"] == 0
     stats = metrics["eagle2"]
@@ -184,7 +201,7 @@ def test_without_the_waiting_rows_the_drafts_after_a_pause_differ(
     tokens, metrics, record = run_with_pauses(pair, prompts, monkeypatch, "dropped")
     assert tokens == reference  # still exact: only the drafts change
     assert metrics["eagle2"]["catch_up_rows_dropped"] > 0
-    base = caught_up_every_step[2]
+    base = caught_up_every_step()[2]
     after_pause = [key for key in resumed(record) if key in base]
     changed = sum(record[key][1] != base[key][1] for key in after_pause)
     assert len(after_pause) >= 8 and changed >= len(after_pause) // 2

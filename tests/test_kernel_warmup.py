@@ -209,9 +209,7 @@ def test_a_tensor_parallel_rank_without_logits_takes_the_widths_from_the_config(
         hidden_size=8,
         dtype=torch.bfloat16,
         device=CPU,
-        draft_vocab=SimpleNamespace(ids=torch.arange(300)),
-        d2t=None,
-        _draft_logits=lambda hidden: None,
+        vocab=SimpleNamespace(logits=lambda hidden: None, size=lambda target_vocab: 300),
     )
     limits = kernel_limits(proposer)
     assert (limits.draft_vocab, limits.target_vocab, limits.max_topk, limits.max_nodes) == (300, 4200, 3, 13)

@@ -17,10 +17,14 @@ dropped: that request's catch-up covers its context again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from vllm_eagle2.device import to_device
 
 #: Steps whose rows may wait; the next one runs them. Bounds the rows kept (MAX_STEPS x batch) and
 #: how far prefix-cached blocks may lag in head KV.
@@ -134,3 +138,50 @@ class DeferredCatchUp:
             "catch_up_rows_run": self.rows_run,
             "catch_up_rows_dropped": self.rows_dropped,
         }
+
+
+def pure_decoding(step: Any, batch: int, scheduled_tokens: int, sampled: Any, discarded: np.ndarray) -> bool:
+    """Whether a step decoded one new token per request and nothing else: no drafts verified,
+    no partial prefill (``discarded``: [B] bool host), ``sampled`` a [B, 1] tensor, and the target's
+    hidden-state rows (:class:`~.step.Eagle2Step`) at hand."""
+    if step is None or step.verify is not None or scheduled_tokens != batch or batch == 0:
+        return False
+    if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1 or not step.hidden_states:
+        return False
+    return not discarded.any()
+
+
+def waiting_rows_metadata(cad: Any, rows: CatchUpRows, block_size: int) -> tuple[Any, torch.Tensor]:
+    """vLLM's attention metadata for one causal head pass over ``rows``, from this step's ``cad``
+    (its block table, in batch order); and the rows' positions [R] on the device.
+
+    Request j of the pass is batch row ``rows.batch_rows[j]``: its queries are its waiting rows,
+    its context ends right after the last of them, and each row's K/V goes to its position's slot.
+    """
+    device = cad.query_start_loc.device
+    ends_at = np.cumsum(rows.counts)
+    qsl_cpu = torch.zeros(len(rows.counts) + 1, dtype=torch.int32)
+    qsl_cpu[1:] = torch.from_numpy(ends_at).to(torch.int32)
+    seq_lens = torch.from_numpy(rows.positions[ends_at - 1] + 1).to(torch.int32)
+    positions = to_device(rows.positions, device)
+    block_table = cad.block_table_tensor[to_device(rows.batch_rows, device)]
+    owner = torch.repeat_interleave(
+        torch.arange(len(rows.counts), device=device), to_device(rows.counts, device)
+    )
+    slots = block_table[owner, positions // block_size].long() * block_size + positions % block_size
+    metadata = dataclasses.replace(
+        cad,
+        query_start_loc=to_device(qsl_cpu, device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=to_device(seq_lens, device),
+        num_reqs=len(rows.counts),
+        num_actual_tokens=len(rows.positions),
+        max_query_len=int(rows.counts.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slots,
+        positions=positions,
+        seq_lens_cpu_upper_bound=seq_lens,
+        is_prefilling=None,
+    )
+    return metadata, positions

@@ -111,10 +111,10 @@ class TreeExpander:
         # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
         # and its CUDA graphs read them.
         p = self.p
-        p.input_ids[:rows] = p._token_ids(tokens).flatten()
+        p.input_ids[:rows] = p.vocab.token_ids(tokens).flatten()
         p.positions[:rows] = positions.flatten()
         p.hidden_states[:rows] = parent_hidden.flatten(0, 1)
         with attention.tree_batch(level_batch):
             last_hidden, hidden = p._run_head(cad, rows, first_pass=False)
         self.parent_hidden = hidden.view(batch, k, -1)
-        return self.p._draft_logits(last_hidden).view(batch, k, -1)
+        return self.p.vocab.logits(last_hidden).view(batch, k, -1)

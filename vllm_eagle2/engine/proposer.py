@@ -11,7 +11,7 @@ One step of drafting, for every request of the batch at once:
    (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
    ancestors, through the tree side channel of :mod:`vllm_eagle2.engine.attention`.
 3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts, best
-   first; the tree is kept in :class:`ProposedTrees` for the verifier of the next step.
+   first; the tree is kept in :class:`~.step.ProposedTrees` for the verifier of the next step.
 
 With the adaptive budget (the default) the settings are upper bounds: before step 2 the
 :class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
@@ -24,11 +24,9 @@ enough that the head's levels would cost more than they add, the budget skips th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
@@ -37,13 +35,14 @@ from vllm_eagle2.budget.adaptive import AdaptiveBudget
 from vllm_eagle2.budget.decisions import NO_DRAFTS, DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
-from vllm_eagle2.draft_vocab import DraftVocab, platform_gemm
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.catch_up import DeferredCatchUp
+from vllm_eagle2.engine.catch_up import DeferredCatchUp, pure_decoding, waiting_rows_metadata
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
+from vllm_eagle2.engine.head_vocab import HeadVocabulary
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
 from vllm_eagle2.engine.ranks import rank_agreement
+from vllm_eagle2.engine.step import ProposedTrees
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
@@ -53,31 +52,6 @@ if TYPE_CHECKING:
     from vllm_eagle2.engine.step import Eagle2Step
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
-
-
-@dataclasses.dataclass
-class ProposedTrees:
-    """The trees proposed last step, for the verifier of this step.
-
-    req_ids: request ids, in the batch order of the proposing step.
-    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32, grafted: [B, N] bool (see
-    :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
-    lookup_buckets: [B] int64, the match-length bucket of each request's lookup chain (-1 = none;
-        all -1 without lookup chains).
-    off_chain: [B, M] bool on the host, M <= N: the drafts sent that are off their tree's
-        leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
-        verification needs a tree mask. It came with the drafts' own transfer, so the verifier
-        sizes its tree attention without reading the device.
-    """
-
-    req_ids: list[str]
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    ranks: torch.Tensor
-    scores: torch.Tensor
-    grafted: torch.Tensor
-    lookup_buckets: torch.Tensor
-    off_chain: np.ndarray
 
 
 class Eagle2Proposer(EagleProposer):
@@ -97,8 +71,7 @@ class Eagle2Proposer(EagleProposer):
         self.proposed: ProposedTrees | None = None
         self.target_attn_layer_names: set[str] = set()
         self._eligible: dict[str, bool] = {}
-        self.draft_vocab: DraftVocab | None = None
-        self.d2t: torch.Tensor | None = None  # EAGLE-3 heads: [Vd] int64, target id - draft index
+        self.vocab: HeadVocabulary | None = None  # what the head drafts over, once it loads
         if self.settings.head_format == EAGLE3:
             # vLLM's EAGLE-3 paths: the runner collects the auxiliary hidden states, propose combines them.
             self.method = "eagle3"
@@ -150,59 +123,7 @@ class Eagle2Proposer(EagleProposer):
         attn_layers = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
         attention.wrap_attention_layers(attn_layers)
         self.target_attn_layer_names = set(attn_layers) - set(self._draft_attn_layer_names)
-        if self.settings.draft_vocab_ids:
-            self.draft_vocab = self._load_draft_vocab()
-        self.d2t = getattr(self.model, "draft_id_to_target_id", None)
-
-    def _load_draft_vocab(self) -> DraftVocab | None:
-        """The ``lm_head`` cut to the draft vocabulary; None (the whole vocabulary) where it
-        cannot be cut and the user left ``draft_vocab_size`` at ``"auto"``."""
-        weight = getattr(self.model.lm_head, "weight", None)
-        processor = self.model.logits_processor
-        problem = None
-        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
-            problem = "needs an unquantized lm_head"
-        elif getattr(processor, "soft_cap", None):
-            problem = "does not support logit soft-capping"
-        if problem and self.settings.draft_vocab_auto:
-            logger.info("eagle2: drafting from the whole vocabulary (a draft vocabulary %s)", problem)
-            return None
-        if problem:
-            raise RuntimeError(f"eagle2 draft_vocab_size {problem}; set it to 0")
-        ids = torch.tensor(self.settings.draft_vocab_ids, dtype=torch.long)
-        logger.info(
-            "eagle2: drafting from the head's %d most frequent tokens (draft_vocab_size%s)",
-            len(ids),
-            ": auto" if self.settings.draft_vocab_auto else "",
-        )
-        vocab = DraftVocab(ids, weight.detach(), scale=float(processor.scale))
-        gemm = platform_gemm(self.model.lm_head, vocab.weight)
-        if gemm is not None:
-            vocab.gemm = gemm
-        return vocab
-
-    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] head outputs -> [N, V] draft logits (model dtype); V = the draft vocabulary's size.
-
-        Never normalised here: the tree's vocabulary top-k finds each row's winners and its
-        log-sum-exp in one pass, so no [N, V] float32 log-probs are materialised.
-        """
-        if self.draft_vocab is not None:
-            return self.draft_vocab.logits(hidden)
-        if self.d2t is not None:
-            # An EAGLE-3 head's own vocabulary, not scattered into the target's as compute_logits does.
-            return self.model.logits_processor(self.model.lm_head, hidden)
-        return self.model.compute_logits(hidden)
-
-    def _token_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary positions (-1 = padding) -> token ids."""
-        if self.draft_vocab is not None:
-            return self.draft_vocab.token_ids(draft_index)
-        if self.d2t is not None:
-            return torch.where(
-                draft_index >= 0, draft_index + self.d2t[draft_index.clamp(min=0)], draft_index
-            )
-        return draft_index
+        self.vocab = HeadVocabulary(self.model, self.settings)
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self._calibrating:
@@ -267,10 +188,13 @@ class Eagle2Proposer(EagleProposer):
         if (
             fitted.drafts
             or self._step_chains is not None
-            or not self._catch_up_may_wait(batch, step, scheduled_tokens, sampled)
+            or not pure_decoding(
+                step, batch, scheduled_tokens, sampled, self.runner.discard_request_mask.np[:batch]
+            )
+            or not self.catch_up.has_room(batch)
         ):
             return None
-        hidden = step.hidden_states
+        hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
         rows = torch.cat(hidden[1:], dim=-1) if self.method == "eagle3" else hidden[0]
         self.catch_up.defer(
             list(self.runner.input_batch.req_ids[:batch]),
@@ -282,21 +206,6 @@ class Eagle2Proposer(EagleProposer):
         if budget is not None:
             budget.count_step(fitted, [0] * batch)
         return [[] for _ in range(batch)]
-
-    def _catch_up_may_wait(
-        self, batch: int, step: Eagle2Step | None, scheduled_tokens: int, sampled: Any
-    ) -> bool:
-        """A pure decoding step (one new token per request, no drafts verified, no partial prefill)
-        whose rows the waiting queue has room for; with an EAGLE-3 head, its auxiliary rows."""
-        if step is None or step.verify is not None or scheduled_tokens != batch or batch == 0:
-            return False
-        if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1:
-            return False
-        if len(step.hidden_states) < (2 if self.method == "eagle3" else 1):
-            return False
-        if self.runner.discard_request_mask.np[:batch].any():
-            return False
-        return self.catch_up.has_room(batch)
 
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
@@ -361,7 +270,7 @@ class Eagle2Proposer(EagleProposer):
             tree = lookup_chain_tree(chains, num_speculative_tokens)
             fits = root_pos + 1 + tree.num_nodes <= self.max_model_len
         else:
-            root_logits = self._draft_logits(last_hidden[sample_idx])
+            root_logits = self.vocab.logits(last_hidden[sample_idx])
             expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
             tree = build_dynamic_tree(
                 root_logits,
@@ -370,7 +279,7 @@ class Eagle2Proposer(EagleProposer):
                 topk=plan.topk,
                 num_nodes=plan.num_nodes,
                 mode=self.settings.tree,
-                token_ids=self._token_ids,
+                token_ids=self.vocab.token_ids,
                 lookup=chains,
             )
             fits = expander.fits
@@ -451,6 +360,8 @@ class Eagle2Proposer(EagleProposer):
     def _run_waiting_catch_up(self, cad: Any) -> None:
         """The catch-up rows of the steps that sent no drafts, in one causal head pass that writes
         the head's KV at their positions, before this step's own catch-up reads it."""
+        if not self.catch_up.waiting:
+            return
         batch = cad.batch_size()
         req_ids = self.runner.input_batch.req_ids[:batch]
         waiting = self.catch_up.take(
@@ -458,32 +369,8 @@ class Eagle2Proposer(EagleProposer):
         )
         if waiting is None:
             return
-        rows, device = len(waiting.positions), cad.query_start_loc.device
-        qsl_cpu = torch.zeros(len(waiting.counts) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.from_numpy(np.cumsum(waiting.counts)).to(torch.int32)
-        ends = torch.from_numpy(waiting.positions[np.cumsum(waiting.counts) - 1] + 1).to(torch.int32)
-        positions = to_device(waiting.positions, device)
-        block_table = cad.block_table_tensor[to_device(waiting.batch_rows, device)]
-        owner = torch.repeat_interleave(
-            torch.arange(len(waiting.counts), device=device), to_device(waiting.counts, device)
-        )
-        bs = self.block_size
-        slots = block_table[owner, positions // bs].long() * bs + positions % bs
-        caught_up = dataclasses.replace(
-            cad,
-            query_start_loc=to_device(qsl_cpu, device),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=to_device(ends, device),
-            num_reqs=len(waiting.counts),
-            num_actual_tokens=rows,
-            max_query_len=int(waiting.counts.max()),
-            max_seq_len=int(ends.max()),
-            block_table_tensor=block_table,
-            slot_mapping=slots,
-            positions=positions,
-            seq_lens_cpu_upper_bound=ends,
-            is_prefilling=None,
-        )
+        rows = len(waiting.positions)
+        caught_up, positions = waiting_rows_metadata(cad, waiting, self.block_size)
         hidden = waiting.hidden
         if self.method == "eagle3":
             hidden = self.model.combine_hidden_states(hidden)

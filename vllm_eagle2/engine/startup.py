@@ -28,17 +28,15 @@ def kernel_limits(proposer: Eagle2Proposer) -> StepLimits:
     vocab = proposer.runner.model_config.get_vocab_size()
     with torch.inference_mode():
         hidden = torch.zeros(1, proposer.hidden_size, dtype=proposer.dtype, device=proposer.device)
-        draft = proposer._draft_logits(hidden)
+        draft = proposer.vocab.logits(hidden)
         target_hidden = torch.zeros(
             1, proposer.runner.model_config.get_hidden_size(), dtype=proposer.dtype, device=proposer.device
         )
         target = proposer.runner.model.compute_logits(target_hidden)
-    if draft is None:
-        draft_vocab = vocab if proposer.draft_vocab is None else len(proposer.draft_vocab.ids)
-        draft_vocab = draft_vocab if proposer.d2t is None else proposer.d2t.numel()
+    draft_vocab = proposer.vocab.size(vocab) if draft is None else draft.shape[-1]
     target_dtype = proposer.dtype if target is None else target.dtype
     return StepLimits(
-        draft_vocab=draft_vocab if draft is None else draft.shape[-1],
+        draft_vocab=draft_vocab,
         draft_dtype=proposer.dtype if draft is None else draft.dtype,
         target_vocab=vocab if target is None else target.shape[-1],
         # vLLM's logits processors hand the sampler float32 logits.
@@ -91,7 +89,7 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: Any) -> None:
 
         def level() -> None:
             EagleProposer.dummy_run(proposer, rows)
-            vocab_topk(proposer._draft_logits(hidden), proposer.budget.topk)
+            vocab_topk(proposer.vocab.logits(hidden), proposer.budget.topk)
 
         try:
             with torch.inference_mode():

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -55,3 +56,28 @@ class Eagle2Step:
     verify: VerifyStep | None = None
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     drafted: bool = False
+
+
+@dataclass
+class ProposedTrees:
+    """The trees proposed last step, for the verifier of this step.
+
+    req_ids: request ids, in the batch order of the proposing step.
+    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32, grafted: [B, N] bool (see
+    :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
+    lookup_buckets: [B] int64, the match-length bucket of each request's lookup chain (-1 = none;
+        all -1 without lookup chains).
+    off_chain: [B, M] bool on the host, M <= N: the drafts sent that are off their tree's
+        leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
+        verification needs a tree mask. It came with the drafts' own transfer, so the verifier
+        sizes its tree attention without reading the device.
+    """
+
+    req_ids: list[str]
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    ranks: torch.Tensor
+    scores: torch.Tensor
+    grafted: torch.Tensor
+    lookup_buckets: torch.Tensor
+    off_chain: np.ndarray
