@@ -189,3 +189,12 @@ def test_the_engines_take_turns_batch_by_batch_from_a_cold_prefix_cache(monkeypa
         ("eagle2", "a", "b"), ("base", "a", "b"), ("base", "c"), ("eagle2", "c"),
     ]  # fmt: skip
     assert base.num_tokens == eagle.num_tokens == [6, 6] and len(base.seconds) == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"), [(["avx512f", "amx_bf16"], "bfloat16"), (["avx2", "avx512_bf16"], "float32")]
+)
+def test_the_real_models_dtype_is_bfloat16_only_where_the_cpu_has_amx_tiles(flags, dtype):
+    from vllm_eagle2_tools.bench.quickstart import fastest_dtype
+
+    assert fastest_dtype({"model": "x", "flags": flags}) == dtype

@@ -28,6 +28,7 @@ from vllm_eagle2_tools.engine import (
     spec_counters,
     use_metrics,
 )
+from vllm_eagle2_tools.machine import cpu_description
 from vllm_eagle2_tools.progress import stderr_log
 from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET, WORKDIR
 
@@ -100,6 +101,18 @@ def prepare_default_model() -> None:
         raise SystemExit(f"error: {shlex.join(cmd)} failed (its message is above)")
 
 
+def fastest_dtype(cpu: dict | None = None) -> str:
+    """The real model's dtype: bfloat16 where vLLM's bf16 kernels run on matrix tiles (a GPU, or a
+    CPU with ``amx_bf16``: the target's step at batch 1 took about half the time of float32's on
+    an Intel Xeon here, docs/results.md), else float32. eagle2 is lossless in both; in bfloat16
+    greedy near-ties may flip between batch shapes, so outputs are compared, not required equal."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16"
+    return "bfloat16" if "amx_bf16" in (cpu or cpu_description())["flags"] else "float32"
+
+
 def resolve_setup(args: argparse.Namespace) -> Setup:
     """Pick target and head (SmolLM2 + trained head, or the seeded tiny pair), dtype, tree and prompts."""
     if args.model is None and args.head is None and not DEFAULT_HEAD.is_dir():
@@ -139,9 +152,7 @@ def resolve_setup(args: argparse.Namespace) -> Setup:
         setup = Setup(
             model=model,
             head=head,
-            # float32: the committed measurements that chose the defaults ran in float32 (bf16 runs
-            # differ in speed on this CPU), and greedy outputs must then equal no speculation's.
-            dtype=args.dtype or "float32",
+            dtype=args.dtype or fastest_dtype(),
             knobs=dict(REAL_KNOBS),
             tiny=False,
             description=f"target {model}, head {head}, prompts: {source}",
