@@ -16,7 +16,7 @@ from test_engine_lossless import eagle2, greedy, token_prompts, tokens_of
 from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2.budget.decisions import NO_DRAFTS
 from vllm_eagle2.engine import proposer as proposer_module
-from vllm_eagle2.engine.catch_up import DeferredCatchUp
+from vllm_eagle2.engine.catch_up import DeferredCatchUp, WaitingStep, step_rows
 from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
 
 #: Step costs under which no draft ever pays: the adaptive budget sends none.
@@ -26,9 +26,13 @@ PAUSES = (range(4, 10), range(14, 22))
 MAX_TOKENS = 64
 
 
-def waiting_rows(catch_up: DeferredCatchUp, req_ids: list[str], positions: list[int]) -> None:
-    n = len(req_ids)
-    catch_up.defer(req_ids, np.array(positions), torch.arange(n).float().unsqueeze(1), torch.arange(n))
+def waiting_rows(catch_up: DeferredCatchUp, req_ids: list[str], positions: list[int], counts=None) -> None:
+    """One waiting step of decoding rows (or ``counts`` rows per request); row r's hidden state and
+    token are r + 10 x (its step)."""
+    counts = np.ones(len(req_ids), np.int64) if counts is None else np.array(counts)
+    n = int(counts.sum())
+    values = torch.arange(n) + 10 * len(catch_up.waiting)
+    catch_up.defer(WaitingStep(req_ids, counts, np.array(positions), values.float().unsqueeze(1), values))
 
 
 def test_waiting_rows_are_grouped_by_request_in_batch_order():
@@ -38,8 +42,17 @@ def test_waiting_rows_are_grouped_by_request_in_batch_order():
     rows = catch_up.take({"b": 0, "a": 1}, np.array([22, 12]))
     assert rows.batch_rows.tolist() == [0, 1] and rows.counts.tolist() == [2, 2]
     assert rows.positions.tolist() == [20, 21, 10, 11]
-    assert rows.hidden.squeeze(1).tolist() == [1, 1, 0, 0] and rows.tokens.tolist() == [1, 1, 0, 0]
+    assert rows.hidden.squeeze(1).tolist() == [1, 11, 0, 10] and rows.tokens.tolist() == [1, 11, 0, 10]
     assert catch_up.take({"a": 0}, np.array([12])) is None  # taken once
+
+
+def test_a_prefill_waits_as_rows_of_its_prompt_before_its_decoding_rows():
+    catch_up = DeferredCatchUp(max_rows=64)
+    waiting_rows(catch_up, ["a", "new"], [7, 0, 1, 2], counts=[1, 3])  # "new" joins with a 3-token prompt
+    waiting_rows(catch_up, ["new", "a"], [3, 8])
+    rows = catch_up.take({"a": 0, "new": 1}, np.array([9, 4]))
+    assert rows.counts.tolist() == [2, 4] and rows.positions.tolist() == [7, 8, 0, 1, 2, 3]
+    assert rows.tokens.tolist() == [0, 11, 1, 2, 3, 10]
 
 
 def test_rows_that_no_longer_end_where_the_request_resumes_are_dropped():
@@ -59,6 +72,21 @@ def test_the_queue_is_bounded_in_steps_and_rows():
         waiting_rows(catch_up, ["a", "b", "c", "d"], [step] * 4)
     assert not catch_up.has_room(4)  # 12 rows would not fit one head pass
     assert DeferredCatchUp(max_rows=100, max_steps=2).has_room(4)
+
+
+def test_a_steps_rows_pair_each_token_with_the_one_after_it():
+    """As the head's first pass reads them: the next scheduled token, or after a request's last
+    row the token sampled there."""
+    step = step_rows(
+        ["a", "b"],
+        query_start_loc=np.array([0, 1, 4]),
+        starts=np.array([9, 0]),
+        input_ids=torch.tensor([5, 6, 7, 8, 0, 0], dtype=torch.int32),
+        hidden=torch.arange(6).float().unsqueeze(1),
+        sampled=torch.tensor([[50], [80]], dtype=torch.int32),
+    )
+    assert step.counts.tolist() == [1, 3] and step.positions.tolist() == [9, 0, 1, 2]
+    assert step.tokens.tolist() == [50, 7, 8, 80] and step.hidden.squeeze(1).tolist() == [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +122,8 @@ def test_a_budget_that_never_drafts_runs_no_head_pass_between_flushes(pair, prom
     assert stats["drafts"] == 0
     steps = stats["catch_up_deferred_steps"]
     assert steps >= 50  # every decoding step of the 64-token run waited
-    # Head passes: the prefill steps' catch-ups, and one per 16 waiting steps.
-    assert stats["head_passes"] <= 4 + stats["catch_up_flushes"]
+    # Head passes: one per 16 waiting steps, the prefills' included.
+    assert stats["head_passes"] == stats["catch_up_flushes"]
     assert stats["catch_up_flushes"] <= steps // 16 + 1
 
 
@@ -136,7 +164,7 @@ def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, lis
     monkeypatch.setattr(proposer_module, "TreeExpander", RootsSeen)
     monkeypatch.setattr(proposer_module.Eagle2Proposer, "propose", recorded)
     if catch_up == "every step":
-        monkeypatch.setattr(DeferredCatchUp, "has_room", lambda self, batch: False)
+        monkeypatch.setattr(proposer_module, "rows_may_wait", lambda *args: False)
     elif catch_up == "dropped":
         monkeypatch.setattr(DeferredCatchUp, "take", dropped)
     return record

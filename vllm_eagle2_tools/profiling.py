@@ -85,6 +85,7 @@ def install_timers() -> Timers:
     import vllm_eagle2.engine.proposer as proposer
     import vllm_eagle2.engine.verification as tree_runner
     from vllm_eagle2 import patches
+    from vllm_eagle2.engine.head_vocab import HeadVocabulary
 
     patches.apply()
     t = Timers()
@@ -101,7 +102,7 @@ def install_timers() -> Timers:
         lambda first_pass=False, **_: "head forward (catch-up)" if first_pass else "head forward (expansion)",
     )
     t.wrap(proposer.Eagle2Proposer, "propose", "propose")
-    t.wrap(proposer.Eagle2Proposer, "_draft_logits", "draft lm_head")
+    t.wrap(HeadVocabulary, "logits", "draft lm_head")
     return t
 
 

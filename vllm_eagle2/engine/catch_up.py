@@ -9,8 +9,9 @@ and the position. They run as one head pass when drafting resumes, before that s
 catch-up, or once :data:`MAX_STEPS` steps have waited: a step without drafts then costs what a
 plain step costs, and the head's context has no gap.
 
-Only pure decoding steps wait (one new token per request, none verified, none discarded), so a
-request's rows are consecutive positions that end where its next catch-up begins. Rows whose
+Steps wait that verified no drafts and discard no sample (no partial prefill): each scheduled
+token is then a catch-up row, a decoding request's one token as a new request's whole prompt, and
+a request's rows are consecutive positions that end where its next catch-up begins. Rows whose
 request left the batch, or came back at another position (preempted, then recomputed), are
 dropped: that request's catch-up covers its context again.
 """
@@ -33,14 +34,16 @@ MAX_STEPS = 16
 
 @dataclass
 class WaitingStep:
-    """One deferred step's catch-up rows, one per request in that step's batch order.
+    """One deferred step's catch-up rows: its scheduled tokens, grouped by request in batch order.
 
-    req_ids: the step's requests; positions: [B] int64 host, each row's position;
-    hidden: [B, H'] the target's hidden states there (an EAGLE-3 head's auxiliary ones,
-    concatenated, as vLLM hands them to the drafter); tokens: [B] the tokens sampled after them.
+    req_ids: the step's B requests; counts: [B] int64 host, each one's rows; positions: [T] int64
+    host, each row's position; hidden: [T, H'] the target's hidden states there (an EAGLE-3 head's
+    auxiliary ones, concatenated, as vLLM hands them to the drafter); tokens: [T] the token that
+    follows each row (the next scheduled one, or the one sampled after a request's last row).
     """
 
     req_ids: list[str]
+    counts: np.ndarray
     positions: np.ndarray
     hidden: torch.Tensor
     tokens: torch.Tensor
@@ -75,20 +78,16 @@ class DeferredCatchUp:
 
     @property
     def rows(self) -> int:
-        return sum(len(s.req_ids) for s in self.waiting)
+        return sum(len(s.positions) for s in self.waiting)
 
-    def has_room(self, batch: int) -> bool:
-        """Whether a step of ``batch`` rows may wait: all waiting rows still fit one head pass, and
+    def has_room(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows may wait: all waiting rows still fit one head pass, and
         fewer than ``max_steps`` steps wait."""
-        return len(self.waiting) < self.max_steps and self.rows + batch <= self.max_rows
+        return len(self.waiting) < self.max_steps and self.rows + rows <= self.max_rows
 
-    def defer(
-        self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor, tokens: torch.Tensor
-    ) -> None:
-        # Copies: the runner reuses its hidden-state and sampled-token buffers next step.
-        self.waiting.append(
-            WaitingStep(list(req_ids), positions.astype(np.int64), hidden.clone(), tokens.clone())
-        )
+    def defer(self, step: WaitingStep) -> None:
+        """Keep a step's rows; its tensors must be copies (the runner reuses its buffers)."""
+        self.waiting.append(step)
         self.deferred_steps += 1
 
     def take(self, batch_rows: dict[str, int], next_positions: np.ndarray) -> CatchUpRows | None:
@@ -100,7 +99,12 @@ class DeferredCatchUp:
         waiting, self.waiting = self.waiting, []
         if not waiting:
             return None
-        rows = np.concatenate([[batch_rows.get(r, -1) for r in s.req_ids] for s in waiting]).astype(np.int64)
+        rows = np.concatenate(
+            [
+                np.repeat(np.array([batch_rows.get(r, -1) for r in s.req_ids], dtype=np.int64), s.counts)
+                for s in waiting
+            ]
+        )
         positions = np.concatenate([s.positions for s in waiting])
         order = np.lexsort((positions, rows))
         rows, positions = rows[order], positions[order]
@@ -140,15 +144,40 @@ class DeferredCatchUp:
         }
 
 
-def pure_decoding(step: Any, batch: int, scheduled_tokens: int, sampled: Any, discarded: np.ndarray) -> bool:
-    """Whether a step decoded one new token per request and nothing else: no drafts verified,
-    no partial prefill (``discarded``: [B] bool host), ``sampled`` a [B, 1] tensor, and the target's
-    hidden-state rows (:class:`~.step.Eagle2Step`) at hand."""
-    if step is None or step.verify is not None or scheduled_tokens != batch or batch == 0:
+def rows_may_wait(step: Any, batch: int, sampled: Any, discarded: np.ndarray) -> bool:
+    """Whether a step's catch-up rows may wait: it verified no drafts and discards no sample
+    (``discarded``: [B] bool host, a partial prefill's), ``sampled`` is a [B, 1] tensor, and the
+    target's hidden-state rows (:class:`~.step.Eagle2Step`) are at hand."""
+    if step is None or step.verify is not None or batch == 0 or not step.hidden_states:
         return False
-    if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1 or not step.hidden_states:
+    if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1:
         return False
     return not discarded.any()
+
+
+def step_rows(
+    req_ids: list[str],
+    query_start_loc: np.ndarray,
+    starts: np.ndarray,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    sampled: torch.Tensor,
+) -> WaitingStep:
+    """A step's catch-up rows, as the head's first pass would read them (copies).
+
+    req_ids: the B requests; query_start_loc: [B + 1] host, their rows; starts: [B] host, each one's
+    first position; input_ids: the scheduled tokens (the first T); hidden: the target's rows;
+    sampled: [B, 1] the tokens sampled after each request's last row.
+    """
+    counts = np.diff(query_start_loc).astype(np.int64)
+    total = int(query_start_loc[-1])
+    within = np.arange(total) - np.repeat(query_start_loc[:-1], counts)
+    positions = np.repeat(starts.astype(np.int64), counts) + within
+    tokens = torch.empty_like(input_ids[:total])
+    tokens[:-1] = input_ids[1:total]  # each row is followed by the next scheduled token ...
+    last = to_device(query_start_loc[1:] - 1, input_ids.device)
+    tokens[last] = sampled[:, 0].to(tokens.dtype)  # ... or, after a request's last, by its sample
+    return WaitingStep(list(req_ids), counts, positions, hidden[:total].clone(), tokens)
 
 
 def waiting_rows_metadata(cad: Any, rows: CatchUpRows, block_size: int) -> tuple[Any, torch.Tensor]:

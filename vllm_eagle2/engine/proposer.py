@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
@@ -36,7 +37,7 @@ from vllm_eagle2.budget.decisions import NO_DRAFTS, DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.catch_up import DeferredCatchUp, pure_decoding, waiting_rows_metadata
+from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_may_wait, step_rows, waiting_rows_metadata
 from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.head_vocab import HeadVocabulary
@@ -154,13 +155,13 @@ class Eagle2Proposer(EagleProposer):
             self.lookup.forget(req_ids)
 
     def begin_step(
-        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, scheduled_tokens: int = -1
+        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, cad: Any = None
     ) -> list[list[int]] | None:
         """Plan this step's drafts for its ``batch`` requests, before vLLM prepares the drafter's inputs.
 
         ``sampled``: vLLM's sampled tokens of this step, for the lookup chains; ``step``: this step's
-        state (the target's hidden-state rows, whether it verified drafts); ``scheduled_tokens``:
-        the tokens the step scheduled.
+        state (the target's hidden-state rows, whether it verified drafts); ``cad``: vLLM's
+        attention metadata of the step, for the drafter.
 
         Returns the step's drafts, all empty, when it sends none and its catch-up waits
         (:mod:`.catch_up`): the head does no work and vLLM's drafter preparation is skipped.
@@ -185,27 +186,32 @@ class Eagle2Proposer(EagleProposer):
             self._step_chains = self.lookup.chains(self.runner, req_ids, min_bucket)
         if self._step_chains is not None and self._step_chains[0] is None:
             self._step_chains = None
-        if (
-            fitted.drafts
-            or self._step_chains is not None
-            or not pure_decoding(
-                step, batch, scheduled_tokens, sampled, self.runner.discard_request_mask.np[:batch]
-            )
-            or not self.catch_up.has_room(batch)
-        ):
+        if fitted.drafts or self._step_chains is not None or not self._rows_wait(batch, step, sampled, cad):
             return None
-        hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
-        rows = torch.cat(hidden[1:], dim=-1) if self.method == "eagle3" else hidden[0]
-        self.catch_up.defer(
-            list(self.runner.input_batch.req_ids[:batch]),
-            self.runner.input_batch.num_computed_tokens_cpu[:batch],
-            rows[:batch],
-            sampled[:batch, 0],
-        )
         self._step_plan, self.proposed = None, None
         if budget is not None:
             budget.count_step(fitted, [0] * batch)
         return [[] for _ in range(batch)]
+
+    def _rows_wait(self, batch: int, step: Eagle2Step | None, sampled: Any, cad: Any) -> bool:
+        """Keep this step's catch-up rows for later (:mod:`.catch_up`), if they may wait; with the
+        queue at its length, run them with the waiting ones, in one head pass."""
+        runner, queue = self.runner, self.catch_up
+        if cad is None or not rows_may_wait(step, batch, sampled, runner.discard_request_mask.np[:batch]):
+            return False
+        qsl = runner.query_start_loc.np[: batch + 1]
+        total = int(qsl[-1])
+        full = not queue.has_room(total)
+        if full and queue.rows + total > queue.max_rows:
+            return False  # propose runs the waiting rows, then this step's catch-up
+        hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
+        rows = torch.cat(hidden[1:], dim=-1) if self.method == "eagle3" else hidden[0]
+        starts = runner.input_batch.num_computed_tokens_cpu[:batch]
+        req_ids = runner.input_batch.req_ids[:batch]
+        queue.defer(step_rows(req_ids, qsl, starts, runner.input_ids.gpu, rows, sampled))
+        if full:
+            self._run_waiting_catch_up(cad, starts + np.diff(qsl))
+        return True
 
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
@@ -232,7 +238,7 @@ class Eagle2Proposer(EagleProposer):
         plan, self._step_plan = self._step_plan, None
         if plan is None:
             raise RuntimeError("eagle2: propose without begin_step (the runner's propose_draft_token_ids)")
-        self._run_waiting_catch_up(cad)
+        self._run_waiting_catch_up(cad, self.runner.input_batch.num_computed_tokens_cpu[:batch])
         catch_up_only = num_speculative_tokens == 0 or not plan.drafts
         if budget is not None and not catch_up_only:
             budget.level_started(batch)  # the root level, its catch-up pass included
@@ -357,16 +363,14 @@ class Eagle2Proposer(EagleProposer):
         self.head_passes += 1
         return last[:num_tokens], hidden[:num_tokens]
 
-    def _run_waiting_catch_up(self, cad: Any) -> None:
+    def _run_waiting_catch_up(self, cad: Any, next_positions: np.ndarray) -> None:
         """The catch-up rows of the steps that sent no drafts, in one causal head pass that writes
-        the head's KV at their positions, before this step's own catch-up reads it."""
+        the head's KV at their positions, before the catch-up at ``next_positions`` ([B] host, each
+        request's next row) reads it."""
         if not self.catch_up.waiting:
             return
-        batch = cad.batch_size()
-        req_ids = self.runner.input_batch.req_ids[:batch]
-        waiting = self.catch_up.take(
-            {rid: i for i, rid in enumerate(req_ids)}, self.runner.input_batch.num_computed_tokens_cpu[:batch]
-        )
+        req_ids = self.runner.input_batch.req_ids[: len(next_positions)]
+        waiting = self.catch_up.take({rid: i for i, rid in enumerate(req_ids)}, next_positions)
         if waiting is None:
             return
         rows = len(waiting.positions)

@@ -5,6 +5,7 @@ CPU runner subclasses it). Each hook hands over to :mod:`vllm_eagle2.engine.prop
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 from . import cpu_build
@@ -98,14 +99,16 @@ def patch_runner_forward() -> None:
         return out
 
     propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
+    propose_signature = inspect.signature(propose_draft_token_ids)
 
     def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if _is_eagle2(self):  # the target pass ends here
             step = self._eagle2_step
             if step is not None:
                 step.drafted = True
-            total = scheduler_output.total_num_scheduled_tokens
-            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, total)
+            cad = propose_signature.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            cad = cad.arguments.get("common_attn_metadata")
+            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, cad)
             if waited is not None:  # no drafts, and the head's catch-up waits: vLLM's drafter is skipped
                 return waited
         return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
