@@ -155,16 +155,17 @@ class Eagle2Proposer(EagleProposer):
             self.lookup.forget(req_ids)
 
     def begin_step(
-        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, cad: Any = None
+        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, cad: Any = None, limit: int = 0
     ) -> list[list[int]] | None:
         """Plan this step's drafts for its ``batch`` requests, before vLLM prepares the drafter's inputs.
 
         ``sampled``: vLLM's sampled tokens of this step, for the lookup chains; ``step``: this step's
         state (the target's hidden-state rows, whether it verified drafts); ``cad``: vLLM's
-        attention metadata of the step, for the drafter.
+        attention metadata of the step, for the drafter; ``limit``: the most drafts a request may get.
 
-        Returns the step's drafts, all empty, when it sends none and its catch-up waits
-        (:mod:`.catch_up`): the head does no work and vLLM's drafter preparation is skipped.
+        Returns the step's drafts when it sends no head drafts (none, or lookup chains alone) and
+        its catch-up waits (:mod:`.catch_up`): the head does no work and vLLM's drafter
+        preparation is skipped.
         Else None: vLLM prepares the drafter's inputs and calls :meth:`propose`.
         """
         if self.lookup is not None:
@@ -186,9 +187,19 @@ class Eagle2Proposer(EagleProposer):
             self._step_chains = self.lookup.chains(self.runner, req_ids, min_bucket)
         if self._step_chains is not None and self._step_chains[0] is None:
             self._step_chains = None
-        if fitted.drafts or self._step_chains is not None or not self._rows_wait(batch, step, sampled, cad):
+        if fitted.drafts or not self._rows_wait(batch, step, sampled, cad):
             return None
-        self._step_plan, self.proposed = None, None
+        self._step_plan = None
+        if self._step_chains is not None and limit > 0:  # chains alone: no head pass either
+            chains, buckets = self._step_chains
+            tree = lookup_chain_tree(chains, limit)
+            # Each request's context ends after this step's rows: the root is its last.
+            ends = self.runner.input_batch.num_computed_tokens_cpu[:batch] + np.diff(
+                self.runner.query_start_loc.np[: batch + 1]
+            )
+            fits = to_device(ends + tree.num_nodes <= self.max_model_len, buckets.device)
+            return self._send(tree, fits, fitted, buckets, False, limit)
+        self.proposed = None
         if budget is not None:
             budget.count_step(fitted, [0] * batch)
         return [[] for _ in range(batch)]
@@ -254,7 +265,6 @@ class Eagle2Proposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
-        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
         chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=last_hidden.device)
         if self._step_chains is not None and num_speculative_tokens > 0:
             chains, buckets = self._step_chains
@@ -289,12 +299,29 @@ class Eagle2Proposer(EagleProposer):
                 lookup=chains,
             )
             fits = expander.fits
+        return self._send(tree, fits, plan, buckets, head_skipped, num_speculative_tokens)
+
+    def _send(
+        self,
+        tree: Any,
+        fits: torch.Tensor,
+        plan: DraftPlan,
+        buckets: torch.Tensor,
+        head_skipped: bool,
+        limit: int,
+    ) -> list[list[int]]:
+        """The drafts of ``tree`` (a :class:`~vllm_eagle2.tree.DraftTree`) this step sends, at most
+        ``limit`` per request, cut to the budget's counts; the tree is kept for the verifier.
+
+        fits: [B] bool, the request's tree fits its context; buckets: [B] int64, lookup buckets."""
+        budget, batch = self.budget, len(fits)
+        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
         tokens = tree.tokens
         grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
 
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible,
         # and never a node without a token (a row without a chain, in a step of chains alone).
-        n_out = min(num_speculative_tokens, tree.num_nodes)
+        n_out = min(limit, tree.num_nodes)
         eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
         allowed = (fits & to_device(eligible, fits.device)).unsqueeze(1) & (tokens[:, :n_out] >= 0)
         if budget is None:

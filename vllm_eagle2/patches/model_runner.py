@@ -108,8 +108,9 @@ def patch_runner_forward() -> None:
                 step.drafted = True
             cad = propose_signature.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             cad = cad.arguments.get("common_attn_metadata")
-            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, cad)
-            if waited is not None:  # no drafts, and the head's catch-up waits: vLLM's drafter is skipped
+            limit = scheduler_output.num_spec_tokens_to_schedule
+            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, cad, limit)
+            if waited is not None:  # no head drafts, the head's catch-up waits: vLLM's drafter is skipped
                 return waited
         return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
 
