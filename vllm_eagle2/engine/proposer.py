@@ -2,6 +2,8 @@
 
 One step of drafting, for every request of the batch at once:
 
+0. a step whose plan has no head drafts stops in :meth:`Eagle2Proposer.begin_step`: its catch-up
+   rows wait (:mod:`.catch_up`) and run before the next catch-up, so it costs no head pass.
 1. catch-up: the head runs over the tokens the target just accepted, pairing target
    hidden state i with token i + 1 (vLLM's own EAGLE first pass, reused as is). Its
    output at the last accepted position gives the root's children (level 1).

@@ -17,13 +17,15 @@ goes (hooks in :mod:`vllm_eagle2.patches.model_runner`, work in this package):
    :func:`.verification.sample_with_trees`: verify every tree (:mod:`vllm_eagle2.verify`), move
    the accepted nodes' K/V and rows into chain order, record acceptance for the budget.
 5. ``propose_draft_token_ids`` lets the budget plan the next step
-   (:meth:`.proposer.Eagle2Proposer.begin_step`); vLLM then calls the drafter's ``propose``:
-   the catch-up pass, the expansion levels (:mod:`.expansion`), the best m nodes per request,
-   kept in ``drafter.proposed`` for the next step's step 2.
+   (:meth:`.proposer.Eagle2Proposer.begin_step`). A plan without head drafts ends there: the
+   step's catch-up rows wait (:mod:`.catch_up`) and its drafts are none or lookup chains alone.
+   Else vLLM calls the drafter's ``propose``: the waiting rows and the catch-up pass, the
+   expansion levels (:mod:`.expansion`), the best m nodes per request, kept in
+   ``drafter.proposed`` for the next step's step 2.
 6. ``sample_tokens`` returns with the drafts and closes the step (``runner._eagle2_step = None``).
 
 Everything that lives for one step is on the :class:`Eagle2Step`; what outlives it is the
-drafter's (``proposed`` trees, the budget's measurements, counters).
+drafter's (``proposed`` trees, the catch-up rows waiting, the budget's measurements, counters).
 """
 
 from __future__ import annotations
