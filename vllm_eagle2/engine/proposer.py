@@ -410,4 +410,4 @@ class Eagle2Proposer(EagleProposer):
         self.input_ids[:rows] = waiting.tokens
         self.positions[:rows] = positions
         self.hidden_states[:rows] = hidden
-        self._run_head(caught_up, rows, first_pass=False)
+        self._run_head(caught_up, rows, first_pass=True)  # catch-up rows: the head's first pass
