@@ -43,3 +43,27 @@ def drafting_blockers(defaults: dict[str, Any]) -> list[str]:
     drafts, which is lossless but no faster.
     """
     return [f"{k}={defaults[k]}" for k, v in _NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] != v]
+
+
+class EligibleRequests:
+    """Per request id, cached: whether the tree verifier reproduces its sampling exactly.
+
+    refused: requests decoded without drafts so far (``eagle2_stats``' ``requests_without_drafts``).
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[str, bool] = {}
+        self.refused = 0
+
+    def rows(self, requests: dict[str, Any], req_ids: list[str]) -> list[bool]:
+        """``requests``: the runner's request states by id."""
+        for rid in req_ids:
+            if rid not in self._known:
+                state = requests.get(rid)
+                self._known[rid] = supports_tree_drafting(getattr(state, "sampling_params", None))
+                self.refused += not self._known[rid]
+        return [self._known[rid] for rid in req_ids]
+
+    def forget(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self._known.pop(rid, None)

@@ -2,8 +2,7 @@
 
 One step of drafting, for every request of the batch at once:
 
-0. a step whose plan has no head drafts stops in :meth:`Eagle2Proposer.begin_step`: its catch-up
-   rows wait (:mod:`.catch_up`) and run before the next catch-up, so it costs no head pass.
+0. a step without head drafts ends in :meth:`Eagle2Proposer.begin_step`; its catch-up waits (.catch_up).
 1. catch-up: the head runs over the tokens the target just accepted, pairing target
    hidden state i with token i + 1 (vLLM's own EAGLE first pass, reused as is). Its
    output at the last accepted position gives the root's children (level 1).
@@ -20,8 +19,7 @@ With the adaptive budget (the default) the settings are upper bounds: before ste
 at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
 to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
 With ``lookup`` chains a step without head drafts may still send them, as chains, where the
-allocation finds their verification pays: they cost no head pass. Where the chains are confident
-enough that the head's levels would cost more than they add, the budget skips those levels.
+allocation finds their verification pays (no head pass). Beside confident chains the head's levels go unrun.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_may_wait, step_rows, waiting_rows_metadata
-from vllm_eagle2.engine.eligibility import drafting_blockers, supports_tree_drafting
+from vllm_eagle2.engine.eligibility import EligibleRequests, drafting_blockers
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.head_vocab import HeadVocabulary
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
@@ -73,7 +71,7 @@ class Eagle2Proposer(EagleProposer):
         self.max_model_len = getattr(runner, "effective_drafter_max_model_len", limit)
         self.proposed: ProposedTrees | None = None
         self.target_attn_layer_names: set[str] = set()
-        self._eligible: dict[str, bool] = {}
+        self.eligible = EligibleRequests()
         self.vocab: HeadVocabulary | None = None  # what the head drafts over, once it loads
         if self.settings.head_format == EAGLE3:
             # vLLM's EAGLE-3 paths: the runner collects the auxiliary hidden states, propose combines them.
@@ -140,19 +138,8 @@ class Eagle2Proposer(EagleProposer):
             self.num_speculative_tokens = saved
 
     # -- drafting --------------------------------------------------------------------------
-    def _eligible_rows(self, req_ids: list[str]) -> list[bool]:
-        """Per request: whether the tree verifier reproduces its sampling exactly."""
-        requests = getattr(self.runner, "requests", {})
-        for rid in req_ids:
-            if rid not in self._eligible:
-                state = requests.get(rid)
-                self._eligible[rid] = supports_tree_drafting(getattr(state, "sampling_params", None))
-                self.counters.requests_without_drafts += not self._eligible[rid]
-        return [self._eligible[rid] for rid in req_ids]
-
     def forget(self, req_ids: set[str]) -> None:
-        for rid in req_ids:
-            self._eligible.pop(rid, None)
+        self.eligible.forget(req_ids)
         if self.lookup is not None:
             self.lookup.forget(req_ids)
 
@@ -324,7 +311,7 @@ class Eagle2Proposer(EagleProposer):
         # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible,
         # and never a node without a token (a row without a chain, in a step of chains alone).
         n_out = min(limit, tree.num_nodes)
-        eligible = self._eligible_rows(req_ids) if req_ids else [True] * batch
+        eligible = self.eligible.rows(self.runner.requests, req_ids) if req_ids else [True] * batch
         allowed = (fits & to_device(eligible, fits.device)).unsqueeze(1) & (tokens[:, :n_out] >= 0)
         if budget is None:
             counts = torch.cummin(allowed.to(torch.int8), dim=1).values.sum(dim=1)

@@ -377,7 +377,6 @@ class VerifyCounters:
     branched_steps: int = 0  # steps with at least one branching tree
     tree_rows: int = 0  # draft rows recomputed with their tree mask
     narrowed_steps: int = 0  # steps whose topk was cut so that a level fits max_num_batched_tokens
-    requests_without_drafts: int = 0  # requests whose sampling the verifier does not reproduce
     kv_moves: torch.Tensor | None = None  # accepted off-chain nodes whose K/V was moved
     # Drafts verified that no proposed tree holds (zero-filled or stale drafts): 0 in a healthy engine.
     unmatched_drafts: torch.Tensor | None = None

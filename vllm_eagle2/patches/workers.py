@@ -34,7 +34,11 @@ def verify_stats(worker: Any) -> dict[str, int] | None:
     if drafter is None:
         return None
     lookup = {} if drafter.lookup is None else drafter.lookup.summary()
-    head = {"head_passes": drafter.head_passes, **drafter.catch_up.summary()}
+    head = {
+        "requests_without_drafts": drafter.eligible.refused,  # sampling the verifier does not reproduce
+        "head_passes": drafter.head_passes,
+        **drafter.catch_up.summary(),
+    }
     return {**drafter.counters.summary(), **lookup, **head}
 
 
