@@ -2,26 +2,34 @@
 
 Speed does not depend on the values, so this runs anywhere (no target, no features): it times
 ``batch_loss`` forward + backward + AdamW over packed batches of ``--batch-tokens`` tokens, for the
-per-sequence and the packed attention, and prints tokens/s as JSON. Used to size a GPU session's
-training (epochs that fit its minutes) before the target is even on the machine.
+per-sequence and the packed attention, in each ``--precision`` (float32, bf16 autocast), and prints
+tokens/s as JSON. Used to size a GPU session's training (epochs that fit its minutes) before the
+target is even on the machine, and to see where bf16 pays (``training.precision``). With ``--target``
+it also times the feature pass: the target's forward over one ``--mean-len`` sequence, in each
+precision.
 
     python scripts/bench_train_step.py --device cuda --steps 10
+    python scripts/bench_train_step.py --precision float32,bfloat16 --target models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
+from vllm_eagle2_tools.machine import cpu_description, cpu_note
 from vllm_eagle2_tools.training import head as head_module
 from vllm_eagle2_tools.training.head import EagleHead, head_config
 from vllm_eagle2_tools.training.loss import Batch, batch_loss
+from vllm_eagle2_tools.training.precision import autocast
 
 SMOLLM2_135M = dict(
     hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -89,6 +97,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--vocab-subset", type=int, default=8192, help="0: CE over the whole vocabulary")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per variant")
+    p.add_argument("--precision", default="float32", help="comma list of float32, bfloat16")
+    p.add_argument("--attention", default="per_sequence_attention,packed_attention", help="comma list")
+    p.add_argument("--target", type=Path, default=None, help="also time this target's feature pass")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -102,8 +113,10 @@ def main() -> None:
     opt = torch.optim.AdamW(params, lr=1e-4)
     batch = random_batch(args.batch_tokens, args.mean_len, cfg, device)
     vocab = torch.arange(args.vocab_subset, device=device) if args.vocab_subset else None
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", **vars(args)}
-    for name in ("per_sequence_attention", "packed_attention"):
+    report = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    cpu = cpu_note(cpu_description()).strip(" ()")
+    report["machine"] = torch.cuda.get_device_name() if device.type == "cuda" else cpu
+    for precision, name in itertools.product(args.precision.split(","), args.attention.split(",")):
         attend = getattr(head_module, name)
         original = head_module.packed_attention, head_module.per_sequence_attention
         # both names point at the variant under test, whatever the device picks
@@ -114,19 +127,51 @@ def main() -> None:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                step(head, batch, opt, params, vocab, args.depths)
+                with autocast(precision, device.type):
+                    step(head, batch, opt, params, vocab, args.depths)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            report[f"{name}_tok_s"] = round(args.steps * args.batch_tokens / (time.perf_counter() - t0))
+            report[f"{name}_{precision}_tok_s"] = round(
+                args.steps * args.batch_tokens / (time.perf_counter() - t0)
+            )
             if args.profile:
-                print(f"== {name}: 2 steps ==", file=sys.stderr)
+                print(f"== {name}, {precision}: 2 steps ==", file=sys.stderr)
                 print(
                     profile_steps(lambda: step(head, batch, opt, params, vocab, args.depths), device),
                     file=sys.stderr,
                 )
         finally:
             head_module.packed_attention, head_module.per_sequence_attention = original
+    if args.target is not None:
+        for precision in args.precision.split(","):
+            report[f"features_{precision}_tok_s"] = feature_pass_speed(
+                args.target, precision, args.mean_len, device
+            )
     print(json.dumps(report))
+
+
+def feature_pass_speed(
+    target: Path, precision: str, tokens: int, device: torch.device, repeats: int = 3
+) -> int:
+    """Tokens/s of feature extraction's work on one sequence of ``tokens`` tokens: the target's forward
+    (transformers, weights in ``precision``) and its top-K log-probs, as ``features.shard_tensors``."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from vllm_eagle2_tools.training.conversations import Sequences
+    from vllm_eagle2_tools.training.features import TARGET_TOPK, shard_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, precision))
+    model = model.to(device).eval()
+    lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    seqs = Sequences([ids.tolist()], [[True] * tokens], ["bench"])
+    bar = tqdm(disable=True)
+    for i in range(repeats + 1):
+        if i == 1:  # one warm-up
+            t0 = time.perf_counter()
+        shard_tensors(model.model, lm_head, seqs, [0], 1, (), TARGET_TOPK, bar)
+    return round(repeats * tokens / (time.perf_counter() - t0))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ from vllm_eagle2_tools.training.head import (
     packed_attention,
     per_sequence_attention,
 )
-from vllm_eagle2_tools.training.loop import ShardReader, TrainConfig, evaluate, train
+from vllm_eagle2_tools.training.loop import ShardReader, TrainConfig, epoch_plan, evaluate, train
 from vllm_eagle2_tools.training.loss import batch_loss, subset_vocab_loss, vocab_loss
+from vllm_eagle2_tools.training.precision import choose_precision
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +233,139 @@ def test_regression_only_warm_up_trains_its_steps_without_the_ce_then_with_it(se
     assert any(not torch.equal(warm_sd[n], full_sd[n]) for n in warm_sd)
     with pytest.raises(SystemExit):  # argparse: "argument --reg-only-ratio: 1.5 not in [0, 1]"
         parse_args(["--reg-only-ratio", "1.5"])
+
+
+def _resume_config(**kw: object) -> TrainConfig:
+    """Two epochs of the tiny set with every source of run-to-run change in play: noise on the input
+    features (torch's RNG), a warm-up and a cosine schedule, AdamW's moments, depths 1-2."""
+    base = dict(epochs=2, lr=3e-3, batch_tokens=128, seed=0, warmup_ratio=0.2, min_lr_ratio=0.1)
+    return TrainConfig(**{**base, "feature_noise": 0.05, "depths": 2, "vocab_subset": 160, **kw})
+
+
+def test_a_run_stopped_anywhere_and_resumed_equals_the_uninterrupted_run(setup: dict, tmp_path: Path) -> None:
+    """Stopped after 3 steps (mid-epoch) and after 5 (the second epoch), each time resumed by a new head
+    from the checkpoint alone: the final weights and the loss of every step are those of one run."""
+    target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
+    vocab = frequent_vocab(fdir, shards, 160, 512)
+    whole = build_head(target, init="target", seed=0)
+    reference = train(whole, fdir, shards, None, _resume_config(), progress=False, vocab=vocab)
+    assert reference["total_steps"] > 5
+
+    ckpt = tmp_path / "ckpt.pt"
+    for stop in (3, 5, None):
+        first = stop == 3  # a resumed run's head starts as anything: the checkpoint decides
+        head = build_head(target, init="target" if first else "random", seed=0 if first else 7)
+        history = train(
+            head, fdir, shards, None, _resume_config(max_steps=stop), checkpoint=ckpt,
+            resume=not first, progress=False, vocab=vocab,
+        )  # fmt: skip
+        assert len(history["steps"]) == (stop or reference["total_steps"])
+    assert [s["loss"] for s in history["steps"]] == [s["loss"] for s in reference["steps"]]
+    for (name, a), b in zip(whole.state_dict().items(), head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_streamed_features_are_made_when_reached_and_a_resumed_run_remakes_only_its_chunk(
+    setup: dict, tmp_path: Path
+) -> None:
+    """Streamed, the shards are extracted as the epoch plan reaches them and deleted behind it; training on
+    them equals training on the bulk shards; after the machine is lost (every file gone), the resumed
+    run extracts first the shard it stopped in, and gives the same head."""
+    from vllm_eagle2_tools.training.streaming import StreamedShards
+
+    target, fdir, shards, seqs, model = (setup[k] for k in ("target", "fdir", "shards", "seqs", "model"))
+    vocab = frequent_vocab(fdir, shards, 160, 512)
+    bulk = build_head(target, init="target", seed=0)
+    reference = train(bulk, fdir, shards, None, _resume_config(epochs=1), progress=False, vocab=vocab)
+
+    def streamed(sdir: Path) -> StreamedShards:
+        return StreamedShards(target, seqs, sdir, "train", 150, torch.float32, model=model)
+
+    source = streamed(tmp_path / "a")
+    assert source.shards == shards  # the same split, known before any feature exists
+    head = build_head(target, init="target", seed=0)
+    stop = 2
+    train(head, source.fdir, source.shards, None, _resume_config(epochs=1, max_steps=stop),
+          checkpoint=tmp_path / "ckpt.pt", progress=False, source=source, vocab=vocab)  # fmt: skip
+    plan = epoch_plan(shards, 128, seed=0, epoch=0)
+    reached = list(dict.fromkeys(k for k, _ in plan[:stop]))
+    assert source.extracted == reached
+    assert sorted(p.name for p in source.fdir.iterdir()) == [shards[reached[-1]]["file"]]  # the rest deleted
+
+    lost = streamed(tmp_path / "b")  # a fresh machine: no feature files
+    head = build_head(target, init="random", seed=7)
+    ckpt = tmp_path / "ckpt.pt"
+    history = train(head, lost.fdir, lost.shards, None, _resume_config(epochs=1), checkpoint=ckpt,
+                    resume=True, progress=False, source=lost, vocab=vocab)  # fmt: skip
+    assert lost.extracted == list(dict.fromkeys(k for k, _ in plan[stop:]))  # from the chunk it stopped in on
+    assert [s["loss"] for s in history["steps"]] == [s["loss"] for s in reference["steps"]]
+    for (name, a), b in zip(bulk.state_dict().items(), head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_command_line_streams_features_in_bf16_into_a_checkpoint_it_names(
+    setup: dict, tmp_path: Path
+) -> None:
+    """train_eagle_head.py --stream-features --precision bfloat16 --checkpoint FILE on committed-style
+    replies: the held-out set is extracted up front, the training chunks as they are reached (one left
+    on disk), the run says what it chose, and --resume from the named checkpoint finds the run done."""
+    from vllm_eagle2_tools.training import replies
+
+    gen = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[list[int]]:
+        return [torch.randint(6, 512, (int(k),), generator=gen).tolist() for k in torch.randint(8, 30, (n,))]
+
+    data = tmp_path / "replies"
+    data.mkdir()
+    for name, n in (("sharegpt", 16), ("mtbench", 4)):
+        replies.add_prompt_set(data, name, [f"{name}{i}" for i in range(n)], ids(n), {"order": "test"})
+        replies.add_slice(data, name, 0, 0, [r + [2] for r in ids(n)], {})
+    ckpt, out, features = tmp_path / "state" / "ckpt.pt", tmp_path / "head", tmp_path / "features"
+    argv = ["--target", str(setup["target"]), "--replies", str(data), "--eval-replies", "mtbench"]
+    argv += ["--num-conversations", "0", "--eval-conversations", "0", "--epochs", "1", "--batch-tokens", "64"]
+    argv += ["--shard-tokens", "150", "--vocab-subset", "100", "--feature-dir", str(features)]
+    argv += ["--output", str(out)]
+    argv += ["--stream-features", "--precision", "bfloat16", "--checkpoint", str(ckpt)]
+    assert main(argv) == 0
+
+    record = json.loads((out / "training.json").read_text())
+    assert record["precision"]["training"] == record["precision"]["features"] == "bfloat16"
+    assert record["complete"] and record["steps_done"] == record["total_steps"] > 2
+    assert ckpt.exists() and (out / "model.safetensors").exists()
+    (fdir,) = [d for d in features.iterdir() if d.name != "by-content"]
+    train_files = sorted(p.name for p in fdir.glob("train-*.safetensors"))
+    eval_files = sorted(p.name for p in fdir.glob("eval-*.safetensors"))
+    manifest = json.loads((fdir / "manifest.json").read_text())
+    assert len(manifest["splits"]["train"]["shards"]) > 1 and len(train_files) == 1  # the others deleted
+    assert eval_files  # the held-out set, extracted up front
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "training.json").read_text())["steps_done"] == record["steps_done"]
+
+
+def test_bf16_is_chosen_only_where_the_cpu_has_amx_and_trains_in_bf16() -> None:
+    """auto: bf16 with AMX bf16 tiles, float32 with AVX-512 bf16 alone or AVX2; an explicit choice is kept."""
+    assert choose_precision("auto", "cpu", ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]).name == "bfloat16"
+    assert choose_precision("auto", "cpu", ["avx2", "avx512f", "avx512_bf16"]).name == "float32"
+    assert choose_precision("auto", "cpu", ["avx2"]).name == "float32"
+    assert choose_precision("bfloat16", "cpu", ["avx2"]).name == "bfloat16"
+    assert choose_precision("float32", "cpu", ["amx_bf16"]).name == "float32"
+    with pytest.raises(ValueError, match="auto, float32, bfloat16"):
+        choose_precision("fp16", "cpu", [])
+
+
+def test_a_bf16_step_computes_in_bf16_and_keeps_float32_weights(setup: dict) -> None:
+    """Under the bf16 precision the head's matmuls run in bf16 (its loss differs from float32's in the
+    third digit, not more) while its weights and their gradients stay float32."""
+    target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        head = build_head(target, init="target", seed=0)
+        cfg = TrainConfig(epochs=1, lr=1e-3, batch_tokens=128, seed=0, precision=precision, max_steps=2)
+        runs[precision] = train(head, fdir, shards, None, cfg, progress=False)["steps"][0]["loss"]
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert runs["float32"] != runs["bfloat16"]
+    assert runs["bfloat16"] == pytest.approx(runs["float32"], rel=2e-2)
 
 
 def test_data_scaling_fit_is_log_linear_and_extrapolates_to_the_goal() -> None:
@@ -696,4 +830,6 @@ def test_eagle3_options_are_checked_before_any_data_is_read(setup: dict, tmp_pat
         main(base)
     with pytest.raises(SystemExit, match="--num-layers, --fc-bias"):
         main([*base, "--aux-layers", "0,1", "--num-layers", "2", "--fc-bias"])
+    with pytest.raises(SystemExit, match="--stream-features not available"):
+        main([*base, "--aux-layers", "0,1", "--stream-features"])
     assert not out.exists() and not features.exists()

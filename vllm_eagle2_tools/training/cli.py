@@ -10,6 +10,7 @@ from vllm_eagle2_tools.smollm2 import DEFAULT_HEAD, DEFAULT_TARGET
 from vllm_eagle2_tools.training import recipe
 from vllm_eagle2_tools.training.eagle3_head import DEFAULT_DRAFT_VOCAB
 from vllm_eagle2_tools.training.loss import CE_WEIGHT, UNROLL_DECAY
+from vllm_eagle2_tools.training.precision import CHOICES
 from vllm_eagle2_tools.training.recipe import DEFAULT_FEATURE_DIR
 
 
@@ -95,6 +96,29 @@ def _run_options(p: argparse._ActionsContainer) -> None:
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--precision",
+        choices=CHOICES,
+        default="auto",
+        help="arithmetic of the target's feature pass and of the head's training step (bf16 autocast; the "
+        "weights, AdamW and the held-out evaluation stay float32). auto: bfloat16 on a GPU that has it "
+        "and on a CPU with AMX bf16 tiles, float32 elsewhere",
+    )
+    p.add_argument(
+        "--stream-features",
+        action="store_true",
+        help="extract the training features chunk by chunk (--shard-tokens) as training reaches them and "
+        "delete each after use, instead of all up front: a run resumed on a fresh machine remakes only "
+        "the chunk it stopped in. The reduced-vocabulary CE then ranks tokens by their count in the replies",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="file of the resumable state (head, AdamW, schedule, data position, RNG); default: in the "
+        "feature folder. A path in the repository can be committed, so that --resume works on another "
+        "machine",
+    )
     p.add_argument(
         "--extract-only",
         action="store_true",

@@ -50,7 +50,7 @@ def frozen_target_weights(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]
     return embed, sd.get("lm_head.weight", embed)
 
 
-def _shard_plan(seqs: Sequences, shard_tokens: int) -> list[list[int]]:
+def shard_plan(seqs: Sequences, shard_tokens: int) -> list[list[int]]:
     """Sequence indices per shard: consecutive sequences up to ``shard_tokens`` tokens (at least one)."""
     plan: list[list[int]] = [[]]
     count = 0
@@ -63,7 +63,15 @@ def _shard_plan(seqs: Sequences, shard_tokens: int) -> list[list[int]]:
     return plan
 
 
-def _shard_tensors(
+def planned_shards(seqs: Sequences, split: str, shard_tokens: int) -> list[dict[str, Any]]:
+    """The shard list of a split (file name, sequence lengths) before any file exists."""
+    return [
+        {"file": f"{split}-{k:05d}.safetensors", "lengths": [len(seqs.ids[i]) for i in members]}
+        for k, members in enumerate(shard_plan(seqs, shard_tokens))
+    ]
+
+
+def shard_tensors(
     inner: nn.Module,
     lm_head: torch.Tensor,
     seqs: Sequences,
@@ -119,6 +127,15 @@ def _shard_tensors(
     return tensors
 
 
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Save a shard atomically: a reader never sees half of one."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
 def write_feature_shards(
     model: nn.Module,
     seqs: Sequences,
@@ -149,12 +166,11 @@ def write_feature_shards(
     extracts only its new shards. ``batch`` sequences go through the target per forward (right-padded).
     Returns the shard list (file, lengths).
     """
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = _shard_plan(seqs, shard_tokens)
-    names = [f"{split}-{k:05d}.safetensors" for k in range(len(plan))]
+    plan = shard_plan(seqs, shard_tokens)
+    names = [shard["file"] for shard in planned_shards(seqs, split, shard_tokens)]
     keys: list[str] = []
     if store is not None:
         keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
@@ -172,24 +188,26 @@ def write_feature_shards(
         shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
         if k not in todo:
             continue
-        tensors = _shard_tensors(inner, lm_head, seqs, members, batch, aux_layers, target_topk, bar)
-        tmp = out_dir / (name + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, out_dir / name)
+        tensors = shard_tensors(inner, lm_head, seqs, members, batch, aux_layers, target_topk, bar)
+        write_shard(out_dir / name, tensors)
         if store is not None and not (store / keys[k]).exists():
             os.link(out_dir / name, store / keys[k])
     bar.close()
     return shards
 
 
-def feature_identity(target_dir: Path, aux_layers: Sequence[int] = ()) -> bytes:
+def feature_identity(
+    target_dir: Path, aux_layers: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16
+) -> bytes:
     """What makes two feature extractions of the same tokens equal: the target (config, weight file
-    sizes), the shard format and the stored aux layers."""
+    sizes), the shard format, the stored aux layers and the target's dtype."""
     parts = [(target_dir / "config.json").read_bytes()]
     parts += [f"{p.name}:{p.stat().st_size}".encode() for p in sorted(target_dir.glob("*.safetensors"))]
     parts.append(f"format{FEATURE_FORMAT}".encode())
     if aux_layers:
         parts.append(f"aux{list(aux_layers)}".encode())
+    if dtype != torch.bfloat16:  # (keeps the identities of the extractions made before the choice)
+        parts.append(f"dtype{dtype}".encode())
     return b"".join(parts)
 
 
@@ -203,10 +221,15 @@ def shard_key(identity: bytes, ids: Sequence[Sequence[int]], masks: Sequence[Seq
     return h.hexdigest() + ".safetensors"
 
 
-def data_fingerprint(target_dir: Path, splits: dict[str, Sequences], aux_layers: Sequence[int] = ()) -> str:
-    """Hash of the target (config, weight file sizes), the stored aux layers and every token id and mask
-    of every split."""
-    h = hashlib.sha256(feature_identity(target_dir, aux_layers))
+def data_fingerprint(
+    target_dir: Path,
+    splits: dict[str, Sequences],
+    aux_layers: Sequence[int] = (),
+    dtype: torch.dtype = torch.bfloat16,
+) -> str:
+    """Hash of the target (config, weight file sizes), the stored aux layers, the target's dtype and
+    every token id and mask of every split."""
+    h = hashlib.sha256(feature_identity(target_dir, aux_layers, dtype))
     for name, seqs in splits.items():
         h.update(f"|split {name}|".encode())
         for ids, mask in zip(seqs.ids, seqs.masks):
@@ -222,12 +245,16 @@ def extract_features(
     shard_tokens: int,
     aux_layers: Sequence[int] = (),
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    streamed: Sequence[str] = (),
 ) -> tuple[Path, dict[str, Any]]:
     """Features of every split under ``feature_root/<fingerprint[:16]>`` (reused when already complete;
     shards that another run already extracted are hard-linked from ``feature_root/by-content``), with
-    the target on ``device``."""
-    fp = data_fingerprint(target_dir, splits, aux_layers)
-    identity = feature_identity(target_dir, aux_layers)
+    the target on ``device`` in ``dtype``. The splits named in ``streamed`` are only planned: their
+    manifest entries list shards no file holds yet (:mod:`vllm_eagle2_tools.training.streaming` makes
+    them as training reaches them)."""
+    fp = data_fingerprint(target_dir, splits, aux_layers, dtype)
+    identity = feature_identity(target_dir, aux_layers, dtype)
     fdir = feature_root / fp[:16]
     manifest_path = fdir / "manifest.json"
     if manifest_path.exists():
@@ -238,9 +265,9 @@ def extract_features(
             return fdir, manifest
     from transformers import AutoModelForCausalLM
 
-    log(f"extracting features into {fdir} (target in bfloat16 on {device})")
+    log(f"extracting features into {fdir} (target in {str(dtype).removeprefix('torch.')} on {device})")
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
     manifest = {
         "fingerprint": fp,
         "target": str(target_dir),
@@ -249,6 +276,10 @@ def extract_features(
         "splits": {},
     }
     for split, seqs in splits.items():
+        if split in streamed:
+            shards = planned_shards(seqs, split, shard_tokens)
+            manifest["splits"][split] = {"shards": shards, "streamed": True}
+            continue
         shards = write_feature_shards(
             model,
             seqs,

@@ -23,6 +23,7 @@ from vllm_eagle2_tools.training.eagle3_head import Eagle3Head
 from vllm_eagle2_tools.training.features import frequent_vocab
 from vllm_eagle2_tools.training.head import EagleHead
 from vllm_eagle2_tools.training.loss import CE_WEIGHT, Batch, StepStats, batch_loss, make_batch
+from vllm_eagle2_tools.training.precision import autocast
 
 EVAL_DEPTHS = 3  # held-out top-1 is also reported for depths 2..EVAL_DEPTHS (the head on its own features)
 
@@ -71,14 +72,24 @@ def epoch_plan(
 
 
 class ShardReader:
-    """Loads one shard at a time (the last one is cached) and cuts batches out of it."""
+    """Loads one shard at a time (the last one is cached) and cuts batches out of it.
+
+    ``source``: where shards come from when they are streamed (a
+    :class:`~vllm_eagle2_tools.training.streaming.StreamedShards`): it makes a shard before it is
+    read and may delete the one read before. None: every shard's file exists.
+    """
 
     def __init__(
-        self, fdir: Path, shards: Sequence[dict[str, Any]], device: torch.device | str = "cpu"
+        self,
+        fdir: Path,
+        shards: Sequence[dict[str, Any]],
+        device: torch.device | str = "cpu",
+        source: Any = None,
     ) -> None:
         self.fdir = fdir
         self.shards = shards
         self.device = torch.device(device)
+        self.source = source
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def batch(self, shard: int, seqs: Sequence[int]) -> Batch:
@@ -86,6 +97,10 @@ class ShardReader:
         from safetensors.torch import load_file
 
         if self._cached is None or self._cached[0] != shard:
+            if self.source is not None:
+                if self._cached is not None:
+                    self.source.release(self._cached[0])
+                self.source.ensure(shard)
             self._cached = None
             self._cached = (shard, load_file(str(self.fdir / self.shards[shard]["file"])))
         data = self._cached[1]
@@ -140,8 +155,10 @@ class TrainConfig:
     vocab_subset: int = 0  # 0: CE over the whole vocabulary; else see subset_vocab_loss
     depths: int = 1  # train depths 1..depths on the head's own features (batch_loss); 1 = teacher forcing
     seed: int = 0
+    precision: str = "float32"  # of the training step's arithmetic (training.precision); eval: float32
     save_every_minutes: float = 5.0
     max_minutes: float | None = None
+    max_steps: int | None = None  # stop (after saving) once this many steps are done, resumed ones included
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Any:
@@ -182,6 +199,8 @@ def train(
     on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
     progress: bool = True,
     extra_eval: dict[str, Sequence[dict[str, Any]]] | None = None,
+    source: Any = None,
+    vocab: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train ``head`` on the train shards; returns the history (per-step losses, per-epoch eval).
 
@@ -190,9 +209,13 @@ def train(
     ``checkpoint``: file for resumable state (written every ``cfg.save_every_minutes`` and after each
     epoch); with ``resume`` it is loaded first and training continues at the next batch.
     ``on_epoch_end(epoch, history)`` is called after each epoch's evaluation (e.g. to export the head).
-    Stops early, after saving, once ``cfg.max_minutes`` of training time are spent.
+    Stops early, after saving, once ``cfg.max_minutes`` of training time are spent or ``cfg.max_steps``
+    steps are done.
+    ``source``: the train shards' :class:`ShardReader` source when they are streamed.
+    ``vocab``: the reduced-vocabulary CE's tokens (sorted int64) with ``cfg.vocab_subset``; default:
+    ranked from the train shards' features (:func:`frequent_vocab`, which streamed shards do not have).
     """
-    trainer = _Trainer(head, fdir, train_shards, eval_shards, cfg, checkpoint, extra_eval)
+    trainer = _Trainer(head, fdir, train_shards, eval_shards, cfg, checkpoint, extra_eval, source, vocab)
     if resume:
         trainer.resume()
     return trainer.run(on_epoch_end, progress)
@@ -210,6 +233,8 @@ class _Trainer:
         cfg: TrainConfig,
         checkpoint: Path | None,
         extra_eval: dict[str, Sequence[dict[str, Any]]] | None,
+        source: Any = None,
+        vocab: torch.Tensor | None = None,
     ) -> None:
         self.head, self.fdir, self.cfg, self.checkpoint = head, fdir, cfg, checkpoint
         self.eval_shards, self.extra_eval = eval_shards, extra_eval or {}
@@ -231,11 +256,12 @@ class _Trainer:
         }
         self.vocab = None
         if cfg.vocab_subset > 0 and isinstance(head, EagleHead):  # (an EAGLE-3 head has its own vocabulary)
-            vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
+            if vocab is None:
+                vocab = frequent_vocab(fdir, train_shards, cfg.vocab_subset, head.lm_head_weight.shape[0])
             self.vocab = vocab.to(head.lm_head_weight.device)
             log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
         self.epoch, self.step_in_epoch, self.global_step, self.train_seconds = 0, 0, 0, 0.0
-        self.reader = ShardReader(fdir, train_shards, _device(head))
+        self.reader = ShardReader(fdir, train_shards, _device(head), source)
 
     def evaluate_all(self) -> dict[str, Any]:
         assert self.eval_shards
@@ -286,15 +312,16 @@ class _Trainer:
         t0 = time.perf_counter()
         batch = self.reader.batch(shard, seqs)
         self.opt.zero_grad(set_to_none=True)
-        stats = batch_loss(
-            self.head,
-            batch,
-            train=True,
-            feature_noise=cfg.feature_noise,
-            ce_weight=0.0 if self.global_step < self.reg_only_steps else cfg.ce_weight,
-            vocab=self.vocab,
-            depths=cfg.depths,
-        )
+        with autocast(cfg.precision, _device(self.head).type):  # the weights and AdamW stay float32
+            stats = batch_loss(
+                self.head,
+                batch,
+                train=True,
+                feature_noise=cfg.feature_noise,
+                ce_weight=0.0 if self.global_step < self.reg_only_steps else cfg.ce_weight,
+                vocab=self.vocab,
+                depths=cfg.depths,
+            )
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)) if stats.rows else 0.0
         if stats.rows:
             self.opt.step()
@@ -334,7 +361,8 @@ class _Trainer:
         ema: float | None = None
         stopped = False
         while self.step_in_epoch < len(plan):
-            if cfg.max_minutes is not None and self.train_seconds >= 60 * cfg.max_minutes:
+            out_of_time = cfg.max_minutes is not None and self.train_seconds >= 60 * cfg.max_minutes
+            if out_of_time or (cfg.max_steps is not None and self.global_step >= cfg.max_steps):
                 stopped = True
                 break
             batch, stats, dt = self.step(*plan[self.step_in_epoch])
@@ -367,10 +395,7 @@ class _Trainer:
             run, last_save, stopped_early = self.run_epoch(progress, last_save)
             history = self.history  # (a resumed run replaced it)
             if stopped_early:
-                log(
-                    f"time budget of {cfg.max_minutes} min reached at epoch {self.epoch + 1} "
-                    f"step {self.step_in_epoch}"
-                )
+                log(f"stopped as asked at epoch {self.epoch + 1} step {self.step_in_epoch}")
                 self.save()
                 if self.eval_shards:
                     ev = self.evaluate_all()

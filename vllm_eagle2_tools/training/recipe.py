@@ -11,13 +11,20 @@ Pipeline (one command, reproducible from ``--seed``):
    adds conversations whose replies the target wrote itself (``scripts/distill_target.py``: they match
    what the head must predict best); ``--eval-distilled FILE`` is a second held-out set (e.g. the
    target's MT-bench answers).
-2. Features: the target runs in bfloat16 (transformers) over every conversation; its LAST hidden state
+2. Features: the target runs (transformers) over every conversation; its LAST hidden state
    AFTER the final norm (what vLLM hands the drafter), the token ids and the target's top-16 next-token
-   log-probs are written to safetensors shards under ``--feature-dir/<fingerprint>/`` and streamed
+   log-probs are written to bf16 safetensors shards under ``--feature-dir/<fingerprint>/`` and streamed
    back shard by shard during training. Extraction resumes at the first missing shard, and a shard
    that any earlier run extracted (same target, same sequences) is hard-linked from
    ``--feature-dir/by-content/`` instead: a data set grown by appending ``--distilled`` files (made in
-   several sittings) pays only for its new tokens.
+   several sittings) pays only for its new tokens. ``--stream-features`` makes the training shards
+   only as training reaches them and deletes each after use (``training/streaming.py``): a run over
+   millions of tokens needs one chunk on disk, and a run resumed on a fresh machine remakes only the
+   chunk it stopped in.
+2b. Precision (``--precision``, ``training/precision.py``): ``auto`` runs the target's feature pass and
+   the head's training step (bf16 autocast) in bfloat16 on a GPU that has it and on a CPU with AMX
+   bf16 tiles, float32 elsewhere; the head's weights, AdamW and the held-out evaluation stay float32.
+   ``training.json`` says what was chosen and why.
 3. The head (vLLM's ``EagleLlamaForCausalLM`` semantics, see ``vllm_eagle2_tools/testing/reference.py``): at
    position ``i`` the input is ``fc(cat(embed(t_{i+1}), z_i))``; one Llama decoder layer WITHOUT input norm
    (residual stream, post-attention RMSNorm, SwiGLU MLP); the output goes to the target's ``lm_head``
@@ -62,7 +69,8 @@ Pipeline (one command, reproducible from ``--seed``):
    the head's argmax equals the target's argmax, and how often the target's argmax is in the head's
    top-5 / top-10; and the top-1 at depths 2-3, where the head reads its own features). Checkpoints
    (head, optimizer, schedule, position in the epoch) are written every ``--save-every-minutes`` and
-   at every epoch end; ``--resume`` continues from the last one exactly.
+   at every epoch end; ``--resume`` continues from the last one exactly (the same weights, step for
+   step, as a run never stopped; ``--checkpoint FILE`` puts it where it can be committed).
 6. Output folder: ``config.json`` (``LlamaConfig``, ``num_hidden_layers`` = ``--num-layers``,
    ``architectures=["LlamaForCausalLM"]``, the target's other fields), ``model.safetensors`` with
    ``fc.weight`` [H, 2H] (+ ``fc.bias`` with ``--fc-bias``: loadable by the eagle2 plugin's head, not by
@@ -134,6 +142,8 @@ from vllm_eagle2_tools.training.head import (
 )
 from vllm_eagle2_tools.training.loop import TrainConfig, evaluate, train
 from vllm_eagle2_tools.training.loss import UNROLL_DECAY
+from vllm_eagle2_tools.training.precision import choose_precision
+from vllm_eagle2_tools.training.streaming import StreamedShards, frequent_reply_tokens
 
 DEFAULT_FEATURE_DIR = WORKDIR / "scratch" / "eagle_features"
 
@@ -164,9 +174,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.draft_vocab_only:
         return 0
     device = _device(args.device)
+    precision = choose_precision(args.precision, device)
+    log(f"precision: {precision.name} ({precision.reason})")
+    streamed = ["train"] if args.stream_features else []
     fdir, manifest = extract_features(
-        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device
-    )
+        target, splits, args.feature_dir.resolve(), args.shard_tokens, args.aux_layers, device,
+        precision.dtype, streamed,
+    )  # fmt: skip
     extract_s = time.perf_counter() - t0 - select_s
     if args.extract_only:
         log(f"features in {fdir} ({extract_s:.0f} s); --extract-only: no training")
@@ -174,14 +188,22 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     eval_shards = manifest["splits"]["eval"]["shards"]
     train_shards = manifest["splits"]["train"]["shards"]
+    source, vocab = None, None
+    if args.stream_features:
+        source = StreamedShards(
+            target, train_set, fdir, "train", args.shard_tokens, precision.dtype, device,
+            aux_layers=args.aux_layers,
+        )  # fmt: skip
+        if args.format == "eagle" and args.vocab_subset:
+            vocab = frequent_reply_tokens(train_set, args.vocab_subset)
     head, draft_ids = _make_head(args, target, tcfg, fdir, train_shards)
     head.to(device)
     extra_eval = {}
     if "eval_distilled" in manifest["splits"]:
         name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
         extra_eval[name] = manifest["splits"]["eval_distilled"]["shards"]
-    cfg = _train_config(args)
-    checkpoint = fdir / f"checkpoint-seed{args.seed}-{_setting_key(args, cfg)}.pt"
+    cfg = _train_config(args, precision.name)
+    checkpoint = args.checkpoint or fdir / f"checkpoint-seed{args.seed}-{_setting_key(args, cfg)}.pt"
     init_eval: dict[str, Any] | None = None
     previous = args.output / "training.json"
     if args.resume and checkpoint.exists():
@@ -196,6 +218,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
 
     record = _record(args, command, target, data, fdir, device, init_eval)
+    record["precision"] = {"training": precision.name, "features": precision.name, "why": precision.reason}
     record["timings_seconds"] = {
         "select_and_tokenize": round(select_s, 1),
         "feature_extraction": round(extract_s, 1),
@@ -218,6 +241,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         resume=args.resume,
         on_epoch_end=on_epoch_end,
         extra_eval=extra_eval,
+        source=source,
+        vocab=vocab,
     )
     export_head(head, args.output)
     _write_record(args.output, record, history, t_start, final=True)
@@ -351,8 +376,9 @@ def _make_head(
     return head, None
 
 
-def _train_config(args: argparse.Namespace) -> TrainConfig:
+def _train_config(args: argparse.Namespace, precision: str) -> TrainConfig:
     return TrainConfig(
+        precision=precision,
         epochs=args.epochs,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,
@@ -375,9 +401,12 @@ def _setting_key(args: argparse.Namespace, cfg: TrainConfig) -> str:
     """8 hex digits naming the training setting: one checkpoint per setting, so runs that differ
     only in (say) --ce-weight never share it. Time budgets are left out: a resumed run may be given
     more minutes."""
-    fields = {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "save_every_minutes")}
+    budgets = ("max_minutes", "max_steps", "save_every_minutes")
+    fields = {k: v for k, v in asdict(cfg).items() if k not in budgets}
     if not cfg.reg_only_ratio:
         del fields["reg_only_ratio"]  # (keeps the keys of the runs made before the option)
+    if cfg.precision == "float32":
+        del fields["precision"]  # (and before this one)
     init = str(args.init_from.resolve()) if args.init_from else args.init
     aux = [args.aux_layers] if args.aux_layers else []  # (keeps the keys of runs without aux layers)
     fmt = [["eagle3", args.draft_vocab]] if args.format == "eagle3" else []  # (and of EAGLE-1/2 runs)
@@ -440,11 +469,12 @@ def _check_eagle3_options(args: argparse.Namespace) -> None:
             ("--num-layers", args.num_layers != 1),
             ("--fc-bias", args.fc_bias),
             ("--reg-only-ratio", args.reg_only_ratio > 0),
+            ("--stream-features", args.stream_features),  # its draft vocabulary reads every shard first
         )
         if given
     ]
     if bad:
-        raise SystemExit(f"error: {', '.join(bad)} not available with --format eagle3 (one layer, CE only)")
+        raise SystemExit(f"error: {', '.join(bad)} not available with --format eagle3")
     if args.draft_vocab < 1:
         raise SystemExit("error: --draft-vocab must be positive")
 
