@@ -168,6 +168,7 @@ def subset_vocab_loss(
     lm_head: torch.Tensor,
     vocab: torch.Tensor,
     want_grad: bool,
+    chunk: int = 256,
 ) -> tuple[float, torch.Tensor | None, int, int, int]:
     """Cross-entropy over a reduced vocabulary: :func:`vocab_loss` at a fraction of its cost.
 
@@ -175,24 +176,32 @@ def subset_vocab_loss(
     often predicts, see :func:`frequent_vocab`); the soft label is the target's top-K distribution
     (``topk_ids`` [N, K], ``topk_logp`` [N, K]) renormalised. Only ``|V'|`` rows of ``lm_head`` take part
     in the two vocabulary matmuls (49k -> ~8k for SmolLM2), and the target's logits are not recomputed.
+    Rows go ``chunk`` at a time, so that the [chunk, V'] float32 logits stay in the CPU's caches through
+    the softmax's passes (measured on 2 cores, 4,096 rows, V' of 11k: 488 ms whole, 279 ms in chunks
+    of 256).
     Returns what :func:`vocab_loss` returns; the hit counts rank the target's argmax within ``V'``.
     """
     ids = topk_ids.long()
     sub = torch.unique(torch.cat([vocab, ids.flatten()]))  # sorted
     w = lm_head.index_select(0, sub)  # [V', H]
     pos = torch.searchsorted(sub, ids)  # [N, K] columns of the labels in V'
+    p = torch.softmax(topk_logp.float(), -1)  # [N, K], renormalised over the top-K
+    ce = 0.0
+    hits = [0, 0, 0]
+    grad = torch.empty_like(out) if want_grad else None
     with torch.no_grad():
-        hl = (out.to(w.dtype) @ w.T).float()  # [N, V']
-        lse = torch.logsumexp(hl, -1)
-        p = torch.softmax(topk_logp.float(), -1)  # [N, K], renormalised over the top-K
-        ce = float((lse - (p * hl.gather(-1, pos)).sum(-1)).sum())
-        rank = (hl > hl.gather(-1, pos[:, :1])).sum(-1)
-        hits = [int((rank < k).sum()) for k in (1, 5, 10)]
-        grad = None
-        if want_grad:
-            g = hl.sub_(lse[:, None]).exp_()  # softmax over V', in place
-            g.scatter_add_(-1, pos, -p)
-            grad = (g.to(w.dtype) @ w).float()
+        for s in range(0, out.shape[0], chunk):
+            rows, label, prob = slice(s, s + chunk), pos[s : s + chunk], p[s : s + chunk]
+            hl = (out[rows].to(w.dtype) @ w.T).float()  # [n, V']
+            lse = torch.logsumexp(hl, -1)
+            ce += float((lse - (prob * hl.gather(-1, label)).sum(-1)).sum())
+            rank = (hl > hl.gather(-1, label[:, :1])).sum(-1)
+            for j, k in enumerate((1, 5, 10)):
+                hits[j] += int((rank < k).sum())
+            if grad is not None:
+                g = hl.sub_(lse[:, None]).exp_()  # softmax over V', in place
+                g.scatter_add_(-1, label, -prob)
+                grad[rows] = (g.to(w.dtype) @ w).float()
     return ce, grad, hits[0], hits[1], hits[2]
 
 
