@@ -94,7 +94,12 @@ def _run_options(p: argparse._ActionsContainer) -> None:
     """Resuming, time limits and partial runs."""
     p.add_argument("--resume", action="store_true", help="continue from <feature run>/checkpoint.pt")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop (after saving the checkpoint) once this invocation has trained this many minutes",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--precision",

@@ -157,7 +157,7 @@ class TrainConfig:
     seed: int = 0
     precision: str = "float32"  # of the training step's arithmetic (training.precision); eval: float32
     save_every_minutes: float = 5.0
-    max_minutes: float | None = None
+    max_minutes: float | None = None  # of training (its feature chunks included) in this invocation
     max_steps: int | None = None  # stop (after saving) once this many steps are done, resumed ones included
 
 
@@ -209,8 +209,8 @@ def train(
     ``checkpoint``: file for resumable state (written every ``cfg.save_every_minutes`` and after each
     epoch); with ``resume`` it is loaded first and training continues at the next batch.
     ``on_epoch_end(epoch, history)`` is called after each epoch's evaluation (e.g. to export the head).
-    Stops early, after saving, once ``cfg.max_minutes`` of training time are spent or ``cfg.max_steps``
-    steps are done.
+    Stops early, after saving, once this call has trained ``cfg.max_minutes`` minutes, or once
+    ``cfg.max_steps`` steps are done in all.
     ``source``: the train shards' :class:`ShardReader` source when they are streamed.
     ``vocab``: the reduced-vocabulary CE's tokens (sorted int64) with ``cfg.vocab_subset``; default:
     ranked from the train shards' features (:func:`frequent_vocab`, which streamed shards do not have).
@@ -261,6 +261,7 @@ class _Trainer:
             self.vocab = vocab.to(head.lm_head_weight.device)
             log(f"CE over a reduced vocabulary: {vocab.numel()} frequent tokens + each batch's target top-K")
         self.epoch, self.step_in_epoch, self.global_step, self.train_seconds = 0, 0, 0, 0.0
+        self.resumed_seconds = 0.0  # train_seconds of the run this one resumed
         self.reader = ShardReader(fdir, train_shards, _device(head), source)
 
     def evaluate_all(self) -> dict[str, Any]:
@@ -280,6 +281,7 @@ class _Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step, self.train_seconds = state["global_step"], state["train_seconds"]
+        self.resumed_seconds = self.train_seconds
         self.history = state["history"]
         torch.set_rng_state(state["torch_rng"])
         log(
@@ -361,7 +363,8 @@ class _Trainer:
         ema: float | None = None
         stopped = False
         while self.step_in_epoch < len(plan):
-            out_of_time = cfg.max_minutes is not None and self.train_seconds >= 60 * cfg.max_minutes
+            spent = self.train_seconds - self.resumed_seconds  # in this invocation
+            out_of_time = cfg.max_minutes is not None and spent >= 60 * cfg.max_minutes
             if out_of_time or (cfg.max_steps is not None and self.global_step >= cfg.max_steps):
                 stopped = True
                 break
