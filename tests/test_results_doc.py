@@ -30,9 +30,7 @@ def test_every_table_source_exists_and_every_placeholder_is_filled() -> None:
     """The docs read only files that exist in results/, and no placeholder is left in the output."""
     sources = results_doc.sources()
     assert sources and all((results_doc.WORKDIR / s).is_file() for s in sources)
-    assert "results/mtbench-b1-bf16-amx.json" in results_doc.sources(
-        [results_doc.WORKDIR / "README.md.in"]
-    )
+    assert "results/mtbench-b1-bf16-amx.json" in results_doc.sources([results_doc.WORKDIR / "README.md.in"])
     for template in results_doc.DOCS.values():
         assert "{{" not in results_doc.render(template)
 
@@ -87,3 +85,25 @@ def test_placeholders_read_rows_paths_ratios_and_sums(tmp_path: Path) -> None:
     template.write_text("{{run|no such row|tau}}\n")
     with pytest.raises(ValueError, match="no such row"):
         results_doc.render(template, tmp_path)
+
+
+def test_results_holds_only_what_the_docs_read_and_at_most_80_files() -> None:
+    """results/ keeps the files a doc reads or cites in the tree, and nothing else (a superseded sitting
+    leaves the tree: the docs cite it ``at COMMIT``), at most 80 of them."""
+    files = {str(p.relative_to(results_doc.RESULTS)) for p in results_doc.RESULTS.rglob("*") if p.is_file()}
+    unread = sorted(files - results_doc.cited())
+    assert unread == [], f"results/ files no doc reads (git rm them; cite them 'at COMMIT'): {unread}"
+    assert len(files) <= 80
+
+
+def test_a_citation_at_a_commit_needs_no_file_and_one_without_needs_one() -> None:
+    """`results/x.*` at abc1234 names a file of an old commit; the same path without it must exist."""
+    text = "see (`results/gone.*` at abc1234) and results/mtbench-b1-bf16-amx.json"
+    found = [(m.group(1), bool(m.group(2))) for m in results_doc.CITATION.finditer(text)]
+    assert found == [("gone.*", True), ("mtbench-b1-bf16-amx.json", False)]
+    assert results_doc._expand("profile-never-b{4,16}.md") == ["profile-never-b4.md", "profile-never-b16.md"]
+
+
+def test_results_doc_fits_in_300_lines() -> None:
+    """docs/results.md shows today's numbers first and summarises the rest: at most 300 lines."""
+    assert len(results_doc.OUTPUT.read_text().splitlines()) <= 300

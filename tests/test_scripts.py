@@ -76,8 +76,11 @@ def _run_script(
         ("compare_cpu_attention.py", ["--batch-size", "--tiny", "--output"]),
         (
             "train_eagle_head.py",
-            ["--distilled", "--eval-distilled", "--replies", "--eval-replies", "--device", "--seed"],
+            ["--distilled", "--eval-distilled", "--replies", "--eval-replies", "--device", "--seed"]
+            + ["--precision", "--stream-features", "--checkpoint"],
         ),
+        ("bench_train_step.py", ["--precision", "--target", "--batch-tokens"]),
+        ("bench_attention_layer.py", ["--dtype", "--context", "--tree", "--output"]),
         ("generate_replies.py", ["--init", "--set", "--slice-size", "--max-minutes", "--device"]),
         ("distill_target.py", ["--source", "--num-prompts", "--skip", "--max-tokens", "--output"]),
         ("head_data_scaling.py", ["--features", "--shards", "--epochs", "--goal", "--output"]),
