@@ -170,7 +170,8 @@ def write_feature_shards(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(seqs, shard_tokens)
-    names = [shard["file"] for shard in planned_shards(seqs, split, shard_tokens)]
+    shards = planned_shards(seqs, split, shard_tokens)
+    names = [shard["file"] for shard in shards]
     keys: list[str] = []
     if store is not None:
         keys = [shard_key(identity, [seqs.ids[i] for i in m], [seqs.masks[i] for i in m]) for m in plan]
@@ -178,16 +179,13 @@ def write_feature_shards(
         for name, key in zip(names, keys):
             if not (out_dir / name).exists() and (store / key).exists():
                 os.link(store / key, out_dir / name)
-    shards: list[dict[str, Any]] = []
     todo = [k for k, name in enumerate(names) if not (out_dir / name).exists()]
     todo_tokens = sum(len(seqs.ids[i]) for k in todo for i in plan[k])
     bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
     inner = getattr(model, "model", model)
     lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
-    for k, (name, members) in enumerate(zip(names, plan)):
-        shards.append({"file": name, "lengths": [len(seqs.ids[i]) for i in members]})
-        if k not in todo:
-            continue
+    for k in todo:
+        name, members = names[k], plan[k]
         tensors = shard_tensors(inner, lm_head, seqs, members, batch, aux_layers, target_topk, bar)
         write_shard(out_dir / name, tensors)
         if store is not None and not (store / keys[k]).exists():

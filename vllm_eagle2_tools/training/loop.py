@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from vllm_eagle2_tools.training.features import frequent_vocab
 from vllm_eagle2_tools.training.head import EagleHead
 from vllm_eagle2_tools.training.loss import CE_WEIGHT, Batch, StepStats, batch_loss, make_batch
 from vllm_eagle2_tools.training.precision import autocast
+
+if TYPE_CHECKING:
+    from vllm_eagle2_tools.training.streaming import StreamedShards
 
 EVAL_DEPTHS = 3  # held-out top-1 is also reported for depths 2..EVAL_DEPTHS (the head on its own features)
 
@@ -84,7 +87,7 @@ class ShardReader:
         fdir: Path,
         shards: Sequence[dict[str, Any]],
         device: torch.device | str = "cpu",
-        source: Any = None,
+        source: StreamedShards | None = None,
     ) -> None:
         self.fdir = fdir
         self.shards = shards
@@ -199,7 +202,7 @@ def train(
     on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
     progress: bool = True,
     extra_eval: dict[str, Sequence[dict[str, Any]]] | None = None,
-    source: Any = None,
+    source: StreamedShards | None = None,
     vocab: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Train ``head`` on the train shards; returns the history (per-step losses, per-epoch eval).
@@ -233,7 +236,7 @@ class _Trainer:
         cfg: TrainConfig,
         checkpoint: Path | None,
         extra_eval: dict[str, Sequence[dict[str, Any]]] | None,
-        source: Any = None,
+        source: StreamedShards | None = None,
         vocab: torch.Tensor | None = None,
     ) -> None:
         self.head, self.fdir, self.cfg, self.checkpoint = head, fdir, cfg, checkpoint
