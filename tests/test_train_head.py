@@ -242,6 +242,13 @@ def _resume_config(**kw: object) -> TrainConfig:
     return TrainConfig(**{**base, "feature_noise": 0.05, "depths": 2, "vocab_subset": 160, **kw})
 
 
+def _assert_same_run(history: dict, reference: dict, head: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """The loss of every step and every final weight equal those of the reference run."""
+    assert [s["loss"] for s in history["steps"]] == [s["loss"] for s in reference["steps"]]
+    for (name, a), b in zip(ref.state_dict().items(), head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_a_run_stopped_anywhere_and_resumed_equals_the_uninterrupted_run(setup: dict, tmp_path: Path) -> None:
     """Stopped after 3 steps (mid-epoch) and after 5 (the second epoch), each time resumed by a new head
     from the checkpoint alone: the final weights and the loss of every step are those of one run."""
@@ -260,9 +267,7 @@ def test_a_run_stopped_anywhere_and_resumed_equals_the_uninterrupted_run(setup: 
             resume=not first, progress=False, vocab=vocab,
         )  # fmt: skip
         assert len(history["steps"]) == (stop or reference["total_steps"])
-    assert [s["loss"] for s in history["steps"]] == [s["loss"] for s in reference["steps"]]
-    for (name, a), b in zip(whole.state_dict().items(), head.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_run(history, reference, head, whole)
 
 
 def test_streamed_features_are_made_when_reached_and_a_resumed_run_remakes_only_its_chunk(
@@ -298,9 +303,7 @@ def test_streamed_features_are_made_when_reached_and_a_resumed_run_remakes_only_
     history = train(head, lost.fdir, lost.shards, None, _resume_config(epochs=1), checkpoint=ckpt,
                     resume=True, progress=False, source=lost, vocab=vocab)  # fmt: skip
     assert lost.extracted == list(dict.fromkeys(k for k, _ in plan[stop:]))  # from the chunk it stopped in on
-    assert [s["loss"] for s in history["steps"]] == [s["loss"] for s in reference["steps"]]
-    for (name, a), b in zip(bulk.state_dict().items(), head.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_run(history, reference, head, bulk)
 
 
 def test_the_command_line_streams_features_in_bf16_into_a_checkpoint_it_names(

@@ -156,7 +156,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """
     t_start = time.perf_counter()
     target, tcfg, tokenizer = _prepare(args)
-    eagle3 = args.format == "eagle3"
     t0 = time.perf_counter()
     data = _select_data(args, tokenizer)
     train_set, eval_set, splits = data.train, data.eval, data.splits
@@ -188,43 +187,20 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     eval_shards = manifest["splits"]["eval"]["shards"]
     train_shards = manifest["splits"]["train"]["shards"]
-    source, vocab = None, None
-    if args.stream_features:
-        source = StreamedShards(
-            target, train_set, fdir, "train", args.shard_tokens, precision.dtype, device,
-            aux_layers=args.aux_layers,
-        )  # fmt: skip
-        if args.format == "eagle" and args.vocab_subset:
-            vocab = frequent_reply_tokens(train_set, args.vocab_subset)
+    source, vocab = _streamed_training(args, target, train_set, fdir, precision.dtype, device)
     head, draft_ids = _make_head(args, target, tcfg, fdir, train_shards)
     head.to(device)
-    extra_eval = {}
-    if "eval_distilled" in manifest["splits"]:
-        name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
-        extra_eval[name] = manifest["splits"]["eval_distilled"]["shards"]
+    extra_eval = _extra_eval(args, manifest)
     cfg = _train_config(args, precision.name)
     checkpoint = args.checkpoint or fdir / f"checkpoint-seed{args.seed}-{_setting_key(args, cfg)}.pt"
-    init_eval: dict[str, Any] | None = None
-    previous = args.output / "training.json"
-    if args.resume and checkpoint.exists():
-        if previous.exists():
-            init_eval = json.loads(previous.read_text()).get("initial_eval")
-    else:
-        t0 = time.perf_counter()
-        init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
-        for name, shards in extra_eval.items():
-            init_eval[name] = evaluate(head, fdir, shards, args.batch_tokens)
-        init_eval["seconds"] = round(time.perf_counter() - t0, 1)
-        log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
+    init_eval = _initial_eval(args, head, fdir, eval_shards, extra_eval, checkpoint)
 
     record = _record(args, command, target, data, fdir, device, init_eval)
     record["precision"] = {"training": precision.name, "features": precision.name, "why": precision.reason}
-    record["timings_seconds"] = {
-        "select_and_tokenize": round(select_s, 1),
-        "feature_extraction": round(extract_s, 1),
-        "features_reused": manifest.get("reused", False),
-    }
-    if eagle3:
+    timings = {"select_and_tokenize": select_s, "feature_extraction": extract_s}
+    record["timings_seconds"] = {k: round(v, 1) for k, v in timings.items()}
+    record["timings_seconds"]["features_reused"] = manifest.get("reused", False)
+    if draft_ids is not None:  # an EAGLE-3 head's own vocabulary
         record["draft_vocab_size"] = int(draft_ids.numel())
 
     def on_epoch_end(epoch: int, history: dict[str, Any]) -> None:
@@ -251,6 +227,54 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         log(f"held-out top1 {final['top1']:.4f} top5 {final['top5']:.4f} top10 {final['top10']:.4f}")
     log(f"head written to {args.output} in {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def _extra_eval(args: argparse.Namespace, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The second held-out set's shards under its name (the MT-bench answers), if there is one."""
+    if "eval_distilled" not in manifest["splits"]:
+        return {}
+    name = args.eval_distilled.stem if args.eval_distilled else f"{args.eval_replies}_replies"
+    return {name: manifest["splits"]["eval_distilled"]["shards"]}
+
+
+def _streamed_training(
+    args: argparse.Namespace, target: Path, train_set: Sequences, fdir: Path, dtype: torch.dtype, device: Any
+) -> tuple[StreamedShards | None, torch.Tensor | None]:
+    """With ``--stream-features``: the training shards' source, and the reduced CE's tokens ranked by
+    their count in the replies (the features that would rank them do not exist yet). Else (None, None)."""
+    if not args.stream_features:
+        return None, None
+    source = StreamedShards(
+        target, train_set, fdir, "train", args.shard_tokens, dtype, device, aux_layers=args.aux_layers
+    )
+    vocab = (
+        frequent_reply_tokens(train_set, args.vocab_subset)
+        if args.format == "eagle" and args.vocab_subset
+        else None
+    )
+    return source, vocab
+
+
+def _initial_eval(
+    args: argparse.Namespace,
+    head: Any,
+    fdir: Path,
+    eval_shards: list[Any],
+    extra_eval: dict[str, Any],
+    checkpoint: Path,
+) -> dict[str, Any] | None:
+    """The held-out metrics of the head before training; a resumed run reads them from the record it
+    left (None when it left none)."""
+    previous = args.output / "training.json"
+    if args.resume and checkpoint.exists():
+        return json.loads(previous.read_text()).get("initial_eval") if previous.exists() else None
+    t0 = time.perf_counter()
+    init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
+    for name, shards in extra_eval.items():
+        init_eval[name] = evaluate(head, fdir, shards, args.batch_tokens)
+    init_eval["seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"initial held-out top1 {init_eval['top1']:.4f} top5 {init_eval['top5']:.4f}")
+    return init_eval
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Path, Any, Any]:
