@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_tree import PathDraft
 
-from vllm_eagle2.graft import LookupChains, lookup_chain_tree
-from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain, pool_size
+from vllm_eagle2.graft import LookupChains
+from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain, pool_size
 from vllm_eagle2.verify import verify_greedy
 
 VOCAB, DEPTH, TOPK, LENGTH = 12, 4, 3, 5

@@ -13,27 +13,16 @@ its parent's raised key (chain values do not increase along the chain), and new 
 every pool node, so a stable top-m keeps an ancestor-closed, parents-first set.
 
 Batched and fixed-shape: one loop over the chain's positions (like the tree's levels), no host
-reads.
+reads. A pool operation only: :mod:`vllm_eagle2.tree` keeps the best of the grafted pool, as of any.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from vllm_eagle2.tree import DraftTree
-
-__all__ = [
-    "GraftedPool",
-    "LookupChains",
-    "graft_chains",
-    "keep_best_grafted",
-    "lookup_chain_tree",
-    "positions_in",
-]
+__all__ = ["GraftedPool", "LookupChains", "graft_chains"]
 
 
 @dataclass(frozen=True)
@@ -116,68 +105,4 @@ def graft_chains(
         parents=torch.cat([parents, new_parents], 1),
         depths=torch.cat([depths, position], 1),
         grafted=torch.cat([torch.zeros_like(tokens, dtype=torch.bool), new_tokens >= 0], 1),
-    )
-
-
-def keep_best_grafted(
-    tokens: torch.Tensor,
-    values: torch.Tensor,
-    parents: torch.Tensor,
-    depths: torch.Tensor,
-    num_nodes: int,
-    chains: LookupChains,
-) -> dict[str, torch.Tensor]:
-    """The best ``num_nodes`` nodes per request of a pool with ``chains`` grafted in, best first.
-
-    ``tokens`` / ``parents`` / ``depths``: the pool as in :func:`graft_chains`; ``values``: [B, P]
-    its path values (the rerank keys of ``dynamic`` trees). Returns [B, num_nodes] tensors:
-    ``kept`` (index in the grafted pool: >= P for a grafted node), ``tokens``, ``parents``
-    (position among the kept, -1 = the root), ``depths``, ``scores`` (a head node's own value,
-    from which the budget learns the head's calibration; a grafted node's capped chain value) and
-    ``grafted``.
-    """
-    pool = tokens.shape[1]
-    grafted = graft_chains(tokens, values, parents, depths, chains)
-    # Ties to the lower index: the parent (a raised key never exceeds its parent's).
-    kept = torch.sort(grafted.keys, dim=-1, descending=True, stable=True).indices[:, :num_nodes]
-    scores = torch.cat([values.float(), grafted.keys[:, pool:]], 1)
-    return {
-        "kept": kept,
-        "tokens": grafted.tokens.gather(1, kept),
-        "parents": positions_in(kept, grafted.parents.gather(1, kept) + 1, grafted.tokens.shape[1]),
-        "depths": grafted.depths.gather(1, kept),
-        "scores": scores.gather(1, kept),
-        "grafted": grafted.grafted.gather(1, kept),
-    }
-
-
-def positions_in(kept: torch.Tensor, parent1: torch.Tensor, pool: int) -> torch.Tensor:
-    """[B, N] positions in ``kept`` ([B, N] pool indices) of the pool nodes ``parent1`` ([B, N]
-    pool indices shifted by one, 0 = the root); -1 for the root and for nodes not kept."""
-    batch, num_nodes = kept.shape
-    # position1[b, p + 1] = position of pool node p in kept, or -1 (root and dropped nodes).
-    position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=kept.device)
-    position1.scatter_(1, kept + 1, torch.arange(num_nodes, device=kept.device).expand(batch, num_nodes))
-    return position1.gather(1, parent1)
-
-
-def lookup_chain_tree(chains: LookupChains, num_nodes: int) -> DraftTree:
-    """The first ``num_nodes`` nodes of each request's lookup chain alone, as a tree.
-
-    For a step whose head drafts nothing: a chain is a tree of width 1 whose nodes are all
-    grafted, valued by the chain (its estimated log-probability of acceptance; -inf past its end,
-    where the token is -1).
-    """
-    from vllm_eagle2.tree import DraftTree  # tree.py grafts chains with this module: imported late
-
-    tokens = chains.tokens[:, :num_nodes]
-    batch, n = tokens.shape
-    col = torch.arange(n, device=tokens.device).expand(batch, n)
-    return DraftTree(
-        tokens=tokens,
-        parents=col - 1,
-        depths=col + 1,
-        ranks=torch.zeros_like(tokens),
-        scores=chains.values[:, :num_nodes].float(),
-        grafted=tokens >= 0,
     )

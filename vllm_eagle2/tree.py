@@ -30,14 +30,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_eagle2.graft import LookupChains, keep_best_grafted, positions_in
+from vllm_eagle2.graft import LookupChains, graft_chains
 from vllm_eagle2.kernels import vocab_topk
+from vllm_eagle2.tree_ablations import OWN_KEYS, ablation_key, frontiers_first, static_rank_logp
 
 __all__ = [
     "TREE_MODES",
     "DraftStep",
     "DraftTree",
     "build_dynamic_tree",
+    "lookup_chain_tree",
     "off_leading_chain",
     "pool_size",
     "tree_size",
@@ -55,15 +57,6 @@ TREE_MODES: tuple[str, ...] = ("dynamic", "static", "chain", "no_value", "no_rer
 #: produced (2..depth). Returns the draft's logits [B, K, V] (any float dtype, unnormalised;
 #: log-probs work too) of those children; only their top-``K`` log-softmax is ever formed.
 DraftStep = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-# ``static`` mode: EAGLE-1's tree has a fixed shape chosen offline from how often the
-# draft's rank-r token is accepted. We derive that fixed shape by running the same
-# expansion on rank priors instead of the draft's confidences: the rank-0 child is
-# accepted ~60% of the time and each lower rank ~22% as often as the one above. The
-# log-priors are exact binary fractions so that paths with the same ranks in another
-# order tie exactly, and the shape cannot depend on rounding.
-_STATIC_TOP1_LOGP = -0.5
-_STATIC_RANK_DECAY_LOGP = -1.5
 
 
 @dataclass(frozen=True)
@@ -139,15 +132,6 @@ def validate_tree_args(
         )
 
 
-def _stable_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [B, k] of the k largest keys per row; ties go to the lower index."""
-    return torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
 def build_dynamic_tree(
     root_logits: torch.Tensor,
     draft_step: DraftStep,
@@ -195,23 +179,73 @@ def build_dynamic_tree(
     depth, topk, num_nodes = _checked_shape(root_logits, mode, depth, topk, num_nodes)
     if lookup is not None and mode != "dynamic":
         raise ValueError(f"lookup chains are grafted in dynamic mode only; got mode {mode!r}")
+    pool, chosen = _expand(root_logits, draft_step, depth, topk, mode)
+    if mode == "no_rerank":
+        pool = replace(pool, keys=frontiers_first(pool.keys, chosen, topk))
+    if lookup is not None:
+        # Chains are token ids: the pool's tokens become ids before the graft, not after the keep.
+        pool = _grafted(pool if token_ids is None else replace(pool, tokens=token_ids(pool.tokens)), lookup)
+        token_ids = None
+    tree = _keep_best(pool, num_nodes)
+    return tree if token_ids is None else replace(tree, tokens=token_ids(tree.tokens))
+
+
+def lookup_chain_tree(chains: LookupChains, num_nodes: int) -> DraftTree:
+    """The first ``num_nodes`` nodes of each request's lookup chain alone, as a tree.
+
+    For a step whose head drafts nothing: a chain is a tree of width 1 whose nodes are all
+    grafted, valued by the chain (its estimated log-probability of acceptance; -inf past its end,
+    where the token is -1).
+    """
+    tokens = chains.tokens[:, :num_nodes]
+    batch, n = tokens.shape
+    col = torch.arange(n, device=tokens.device).expand(batch, n)
+    return DraftTree(
+        tokens=tokens,
+        parents=col - 1,
+        depths=col + 1,
+        ranks=torch.zeros_like(tokens),
+        scores=chains.values[:, :num_nodes].float(),
+        grafted=tokens >= 0,
+    )
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Every node drafted (P of them per request), in pool order: level 1 = the root's k children
+    at 0..k-1; level L >= 2 = k*k nodes at ``k + (L-2)*k*k + j``, child ``j % k`` (in rank order)
+    of frontier slot ``j // k`` of level L-1; then any grafted nodes.
+
+    tokens: [B, P] int64; values: [B, P] float path values (a grafted node's: its capped chain
+    value); keys: [B, P] the rerank keys (the values, but in the ablation modes and where a chain
+    raised them); parents: [B, P] int64 pool index, -1 = the root; depths / ranks: [B, P] int64
+    (may be expanded views); grafted: [B, P] bool or None (no chains).
+    """
+
+    tokens: torch.Tensor
+    values: torch.Tensor
+    keys: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ranks: torch.Tensor
+    grafted: torch.Tensor | None = None
+
+
+def _expand(
+    root_logits: torch.Tensor, draft_step: DraftStep, depth: int, k: int, mode: str
+) -> tuple[_Pool, list[torch.Tensor]]:
+    """Draft ``depth`` levels of top-``k`` expansion. Returns the pool and the frontier slots chosen
+    at levels 2.. ([B, k] each, in 0..k*k-1; the last level's too in ``no_rerank`` mode)."""
     batch, vocab = root_logits.shape
     device = root_logits.device
-    k, kk = topk, topk * topk
-    # In dynamic, chain and no_rerank modes a node's key is its value: no separate keys.
-    separate_keys = mode in ("static", "no_value")
-    last_chosen_needed = mode == "no_rerank"  # frontier flags of the last level
-
-    # Pool layout: level 1 = k nodes at 0..k-1; level L >= 2 = k*k nodes at
-    # k + (L-2)*k*k + j, child j % k (in rank order) of frontier slot j // k of level L-1.
+    kk = k * k
     # Level lists are concatenated once at the end instead of written per level.
     logp, tokens = vocab_topk(root_logits, k)  # [B, k], sorted descending
-    rank_logp = _static_rank_logp(k, device) if mode == "static" else None
+    prior = static_rank_logp(k, device) if mode == "static" else None
     # The root's key is 0: static keys are the rank priors; no_value's cap by it is a no-op.
-    key = rank_logp.expand(batch, k) if rank_logp is not None else logp
+    key = logp if prior is None else prior.expand(batch, k)
     level_tokens, level_values, level_keys = [tokens], [logp], [key]
-    chosen_per_level: list[torch.Tensor] = []  # [B, k] frontier slots (0..k*k-1), levels 2..
-
+    chosen_per_level: list[torch.Tensor] = []
     frontier_tokens, frontier_value, frontier_key = tokens, logp, key
     prev_slots = torch.zeros(batch, k, dtype=torch.long, device=device)
     for level in range(2, depth + 1):
@@ -224,16 +258,12 @@ def build_dynamic_tree(
         logp, tokens = vocab_topk(child_logits.reshape(batch * k, vocab), k)  # [B*k, k]
         logp = logp.view(batch, k, k)
         value = (frontier_value.unsqueeze(-1) + logp).view(batch, kk)
-        key = value
-        if mode == "static":
-            key = (frontier_key.unsqueeze(-1) + rank_logp).view(batch, kk)
-        elif mode == "no_value":
-            key = torch.minimum(frontier_key.unsqueeze(-1), logp).view(batch, kk)
+        key = value if mode not in OWN_KEYS else ablation_key(mode, frontier_key, logp, prior)
         tokens = tokens.view(batch, kk)
         level_tokens.append(tokens)
         level_values.append(value)
         level_keys.append(key)
-        if level == depth and not last_chosen_needed:
+        if level == depth and mode != "no_rerank":
             break
         chosen = _stable_topk(key, k)  # [B, k] in 0..k*k-1
         chosen_per_level.append(chosen)
@@ -242,54 +272,76 @@ def build_dynamic_tree(
         prev_slots = chosen.div(k, rounding_mode="floor")
         frontier_tokens = tokens.gather(1, chosen)
         frontier_value = value.gather(1, chosen)
-        if separate_keys:
-            frontier_key = key.gather(1, chosen)
+        frontier_key = key.gather(1, chosen) if mode in OWN_KEYS else frontier_value
 
-    pool_tokens = _cat(level_tokens)
-    if lookup is not None:
-        pool_tokens = pool_tokens if token_ids is None else token_ids(pool_tokens)
-        batch, pool = pool_tokens.shape
-        index = torch.arange(pool, device=device)
-        parents = _frontier1(chosen_per_level, k, batch, device)[:, index.div(k, rounding_mode="floor")] - 1
-        depths = (index + (k * k - k)).div(k * k, rounding_mode="floor") + 1
-        fields = keep_best_grafted(
-            pool_tokens, _cat(level_values), parents, depths.expand(batch, pool), num_nodes, lookup
-        )
-        ranks = torch.where(fields["grafted"], 0, (fields.pop("kept") - k).remainder(k))
-        return DraftTree(ranks=ranks, **fields)
-    pool_key = _cat(level_keys) if separate_keys else None
-    tree = _keep_best(mode, pool_tokens, _cat(level_values), pool_key, chosen_per_level, k, depth, num_nodes)
-    return tree if token_ids is None else replace(tree, tokens=token_ids(tree.tokens))
-
-
-def _keep_best(
-    mode: str,
-    pool_tokens: torch.Tensor,
-    pool_value: torch.Tensor,
-    pool_key: torch.Tensor | None,
-    chosen_per_level: list[torch.Tensor],
-    k: int,
-    depth: int,
-    num_nodes: int,
-) -> DraftTree:
-    """The best ``num_nodes`` nodes of the pool ([B, pool] tokens, path values and rerank keys,
-    None: the values) as a :class:`DraftTree`; ``chosen_per_level``: the frontier slots."""
-    batch, kk = pool_tokens.shape[0], k * k
-    frontier_flag = None
-    if mode == "no_rerank":
-        frontier_flag = _frontier_flags(chosen_per_level, batch, k, depth, pool_tokens.device)
-    key = pool_value if pool_key is None else pool_key
-    kept = _rerank(mode, key, frontier_flag, num_nodes)  # [B, N] pool indices, best first
-    return DraftTree(
-        tokens=pool_tokens.gather(1, kept),
-        parents=_kept_parents(kept, chosen_per_level[: depth - 2], k, pool_value.shape[1]),
+    values = _cat(level_values)
+    pool = values.shape[1]
+    index = torch.arange(pool, device=device)
+    frontier1 = _frontier1(chosen_per_level[: depth - 2], k, batch, device)
+    parents = frontier1[:, index.div(k, rounding_mode="floor")]
+    return _Pool(
+        tokens=_cat(level_tokens),
+        values=values,
+        keys=_cat(level_keys) if mode in OWN_KEYS else values,
+        parents=parents - 1,
         # Pool index p is at depth 1 if p < k, else 2 + (p - k) // k^2; one formula for both.
-        depths=(kept + (kk - k)).div(kk, rounding_mode="floor") + 1,
+        depths=((index + (kk - k)).div(kk, rounding_mode="floor") + 1).expand(batch, pool),
         # Level 1 is the root's k children in rank order, later levels k children per frontier
         # slot; (p - k) mod k (a non-negative remainder) is the rank for both.
-        ranks=(kept - k).remainder(k),
-        scores=pool_value.gather(1, kept),
+        ranks=(index - k).remainder(k).expand(batch, pool),
+    ), chosen_per_level
+
+
+def _keep_best(pool: _Pool, num_nodes: int) -> DraftTree:
+    """The best ``num_nodes`` nodes of ``pool`` by key, best first, as a :class:`DraftTree`.
+
+    A child's key never exceeds its parent's and ties go to the lower pool index, which the
+    parent always has: the order is parents-first and each prefix is ancestor-closed.
+    """
+    kept = _stable_topk(pool.keys, num_nodes)  # [B, N] pool indices
+    return DraftTree(
+        tokens=pool.tokens.gather(1, kept),
+        parents=_positions_in(kept, pool.parents.gather(1, kept) + 1, pool.tokens.shape[1]),
+        depths=pool.depths.gather(1, kept),
+        ranks=pool.ranks.gather(1, kept),
+        scores=pool.values.gather(1, kept),
+        grafted=None if pool.grafted is None else pool.grafted.gather(1, kept),
     )
+
+
+def _grafted(pool: _Pool, chains: LookupChains) -> _Pool:
+    """``pool`` with ``chains`` grafted in (:func:`vllm_eagle2.graft.graft_chains`): L new nodes
+    per request after the P drafted ones, rank 0, valued by their capped chain values."""
+    grafted = graft_chains(pool.tokens, pool.keys, pool.parents, pool.depths, chains)
+    drafted = pool.tokens.shape[1]
+    return _Pool(
+        tokens=grafted.tokens,
+        values=torch.cat([pool.values.float(), grafted.keys[:, drafted:]], 1),
+        keys=grafted.keys,
+        parents=grafted.parents,
+        depths=grafted.depths,
+        ranks=torch.cat([pool.ranks, pool.ranks.new_zeros(()).expand_as(grafted.keys[:, drafted:])], 1),
+        grafted=grafted.grafted,
+    )
+
+
+def _stable_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, k] of the k largest keys per row; ties go to the lower index."""
+    return torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _positions_in(kept: torch.Tensor, parent1: torch.Tensor, pool: int) -> torch.Tensor:
+    """[B, N] positions in ``kept`` ([B, N] pool indices) of the pool nodes ``parent1`` ([B, N]
+    pool indices shifted by one, 0 = the root); -1 for the root and for nodes not kept."""
+    batch, num_nodes = kept.shape
+    # position1[b, p + 1] = position of pool node p in kept, or -1 (root and dropped nodes).
+    position1 = torch.full((batch, pool + 1), -1, dtype=torch.long, device=kept.device)
+    position1.scatter_(1, kept + 1, torch.arange(num_nodes, device=kept.device).expand(batch, num_nodes))
+    return position1.gather(1, parent1)
 
 
 def _checked_shape(
@@ -310,40 +362,13 @@ def _checked_shape(
     return depth, topk, num_nodes
 
 
-def _static_rank_logp(k: int, device: torch.device) -> torch.Tensor:
-    """[k] the static mode's rank priors ``_STATIC_TOP1_LOGP + r * _STATIC_RANK_DECAY_LOGP``, as one
-    arange (exact: binary fractions); the half-step margin keeps exactly k of them."""
-    return torch.arange(
-        _STATIC_TOP1_LOGP,
-        _STATIC_TOP1_LOGP + (k - 0.5) * _STATIC_RANK_DECAY_LOGP,
-        _STATIC_RANK_DECAY_LOGP,
-        device=device,
-    )
-
-
-def _kept_parents(
-    kept: torch.Tensor, chosen_per_level: list[torch.Tensor], k: int, pool: int
-) -> torch.Tensor:
-    """Parents [B, N] (positions in ``kept``, -1 = root) of the kept pool nodes.
-
-    ``chosen_per_level``: frontier slots of levels 2..depth-1, each [B, k]. Shifting all
-    pool indices by one puts the root at 0: ``frontier1[B, 1 + (depth-1)*k]`` lists, shifted,
-    the root and then the frontier nodes of levels 1..depth-1, so that the shifted parent
-    of pool node p is ``frontier1[p // k]`` (p // k = 0 for level 1, else
-    1 + (L-2)*k + slot // k for child slot of level L).
-    """
-    parent1 = _frontier1(chosen_per_level, k, kept.shape[0], kept.device).gather(
-        1, kept.div(k, rounding_mode="floor")
-    )
-    return positions_in(kept, parent1, pool)
-
-
 def _frontier1(
     chosen_per_level: list[torch.Tensor], k: int, batch: int, device: torch.device
 ) -> torch.Tensor:
     """[B, 1 + (depth-1)*k] pool indices shifted by one (root = 0) of the root and of the frontier
     nodes of levels 1..depth-1 (``chosen_per_level``: levels 2..depth-1): pool node p's shifted
-    parent is entry ``p // k``."""
+    parent is entry ``p // k`` (0 for level 1, else 1 + (L-2)*k + slot // k for child slot of
+    level L)."""
     kk = k * k
     frontier1 = torch.arange(k + 1, device=device).expand(batch, k + 1)  # root, level 1
     if chosen_per_level:
@@ -352,37 +377,3 @@ def _frontier1(
         later = (torch.stack(chosen_per_level, dim=1) + starts.unsqueeze(-1)).flatten(1)
         frontier1 = torch.cat([frontier1, later], dim=1)
     return frontier1
-
-
-def _frontier_flags(
-    chosen_per_level: list[torch.Tensor], batch: int, k: int, depth: int, device: torch.device
-) -> torch.Tensor:
-    """[B, pool] bool, True for every node that was chosen as a frontier (``no_rerank``).
-
-    ``chosen_per_level``: frontier slots of levels 2..depth, each [B, k].
-    """
-    kk = k * k
-    flags = torch.zeros(batch, pool_size(depth, k), dtype=torch.bool, device=device)
-    flags[:, :k] = True  # level 1 is the first frontier
-    if chosen_per_level:
-        starts = torch.arange(k, k + len(chosen_per_level) * kk, kk, device=device)
-        flags.scatter_(1, (torch.stack(chosen_per_level, dim=1) + starts.unsqueeze(-1)).flatten(1), True)
-    return flags
-
-
-def _rerank(
-    mode: str, pool_key: torch.Tensor, frontier_flag: torch.Tensor | None, num_nodes: int
-) -> torch.Tensor:
-    """Pool indices [B, num_nodes] of the kept nodes, best key first.
-
-    A child's key never exceeds its parent's and ties go to the lower pool index, which the
-    parent always has: the order is parents-first and each prefix is ancestor-closed.
-    """
-    if frontier_flag is not None:
-        # Frontier nodes first, in drafting order; leftover budget to the best of the rest.
-        pool = pool_key.shape[1]
-        order = torch.arange(pool, device=pool_key.device, dtype=torch.float64)
-        key = torch.where(frontier_flag, 2.0 * pool - order, pool_key.double())
-    else:
-        key = pool_key
-    return _stable_topk(key, num_nodes)

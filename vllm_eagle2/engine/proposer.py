@@ -45,9 +45,8 @@ from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, Lo
 from vllm_eagle2.engine.ranks import rank_agreement
 from vllm_eagle2.engine.step import ProposedTrees
 from vllm_eagle2.engine.verification import VerifyCounters
-from vllm_eagle2.graft import lookup_chain_tree
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.tree import build_dynamic_tree, off_leading_chain
+from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain
 
 if TYPE_CHECKING:
     from vllm_eagle2.engine.step import Eagle2Step
