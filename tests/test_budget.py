@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_eagle2.budget.acceptance import AcceptanceModel
 from vllm_eagle2.budget.costs import CostCurve
 from vllm_eagle2.budget.decisions import (
     NO_DRAFTS,
-    AcceptanceModel,
     DraftPlan,
     allocate_nodes,
     chains_alone_pay,
@@ -462,15 +462,15 @@ def test_verification_outcomes_land_in_the_acceptance_table():
     values = torch.tensor([[0.8, 0.1, 0.4, 0.05]]).log()
     known = torch.ones(1, 4, dtype=torch.bool)
     accepted = torch.tensor([[0, -1, -1, -1]])  # node 0 accepted, node 2 rejected
-    budget.record_verification(parents, depths, ranks, values, known, accepted)
-    budget.copy_stats()
+    budget.acceptance.record(parents, depths, ranks, values, known, accepted)
+    budget.acceptance.copy_to_host()
     budget.after_sync()
     # Trials: both depth-1 nodes (the root is always accepted), and node 2 (its parent was);
     # node 3's parent was rejected, so it was never tried.
-    assert budget.acceptance.trials.tolist() == [[1, 1], [1, 0], [0, 0]]
-    assert budget.acceptance.accepts.tolist() == [[1, 0], [0, 0], [0, 0]]
+    assert budget.acceptance.model.trials.tolist() == [[1, 1], [1, 0], [0, 0]]
+    assert budget.acceptance.model.accepts.tolist() == [[1, 0], [0, 0], [0, 0]]
     # Per depth: 1 accepted against 0.9 of drafted probability at depth 1, 0 against 0.45 at depth 2.
-    assert budget.correction().tolist() == pytest.approx([1.0, 2 / 1.9, 1 / 1.45, 1.0])
+    assert budget.acceptance.correction().tolist() == pytest.approx([1.0, 2 / 1.9, 1 / 1.45, 1.0])
 
 
 def test_observations_rescale_the_sizes_never_observed():
@@ -489,10 +489,10 @@ def make_budget(**kw):
 
     kw = {"depth": 3, "topk": 2, "max_nodes": 6, "chain": False, "max_batch": 16, "max_tokens": 256, **kw}
     budget = AdaptiveBudget(device=torch.device("cpu"), **kw)
-    budget.target = linear_curve(256, 0.010, 0.0001)
-    budget.verify = linear_curve(256, 0.010, 0.0001)
-    budget.level = linear_curve(32, 0.001, 0.0)
-    budget.acceptance.update(np.full((3, 2), 100.0), np.full((3, 2), 80.0))
+    budget.prices.target = linear_curve(256, 0.010, 0.0001)
+    budget.prices.verify = linear_curve(256, 0.010, 0.0001)
+    budget.prices.level = linear_curve(32, 0.001, 0.0)
+    budget.acceptance.model.update(np.full((3, 2), 100.0), np.full((3, 2), 80.0))
     return budget
 
 
@@ -502,14 +502,14 @@ def test_acceptance_measured_low_drifts_back_to_the_prior_while_nothing_is_draft
     from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     budget = make_budget()
-    budget.stats[0, :2] = 100.0  # trials at depth 1, ranks 0 and 1; no acceptances
-    budget.copy_stats()
+    budget.acceptance.stats[0, :2] = 100.0  # trials at depth 1, ranks 0 and 1; no acceptances
+    budget.acceptance.copy_to_host()
     budget.after_sync()
     steps_without = 0
     while not (plan := budget.plan(1)).drafts and steps_without < 200:
         budget.count_step(NO_DRAFTS, [0])
         steps_without += 1
-    assert plan.drafts, budget.acceptance.p[0]
+    assert plan.drafts, budget.acceptance.model.p[0]
     assert steps_without > 50  # not at once: the rejections still weigh for a while
 
 
@@ -520,37 +520,37 @@ def test_budget_times_verifying_steps_on_their_own_curve():
     budget.step_started(4)
     budget.target_done()
     budget.count_step(plan, [2, 2, 2, 2])  # this step drafted: the next one verifies
-    assert budget.target.observed and not budget.verify.observed
+    assert budget.prices.target.observed and not budget.prices.verify.observed
     budget.step_started(12)
     budget.target_done()
-    assert budget.verify.observed
+    assert budget.prices.verify.observed
 
 
 def test_budget_learns_a_calibration_3_5x_too_cheap_within_five_steps():
     budget = make_budget()
-    budget.target = linear_curve(256, 0.01, 0.0)
+    budget.prices.target = linear_curve(256, 0.01, 0.0)
     for _ in range(5):
-        budget.observe_target(64, 0.035, verifies=False)
-    assert budget.speed * budget.target(64) == pytest.approx(0.035, rel=0.1)
+        budget.prices.observe_target(64, 0.035, verifies=False)
+    assert budget.prices.speed * budget.prices.target(64) == pytest.approx(0.035, rel=0.1)
 
 
 def test_a_price_not_run_follows_the_machine_speed():
     budget = make_budget()
     for _ in range(20):
-        budget.observe_target(12, 0.03, verifies=True)
-        budget.observe_target(4, 0.02, verifies=False)
-    verify_before = budget._costs()["verify"](12)
+        budget.prices.observe_target(12, 0.03, verifies=True)
+        budget.prices.observe_target(4, 0.02, verifies=False)
+    verify_before = budget.prices.costs()["verify"](12)
     for _ in range(20):  # no drafts pay for a while, and the machine runs 1.5x slower meanwhile
-        budget.observe_target(4, 0.03, verifies=False)
-    assert budget._costs()["verify"](12) == pytest.approx(1.5 * verify_before, rel=0.1)
+        budget.prices.observe_target(4, 0.03, verifies=False)
+    assert budget.prices.costs()["verify"](12) == pytest.approx(1.5 * verify_before, rel=0.1)
 
 
 def test_verifying_steps_dearer_than_calibrated_leave_a_plain_step_priced_as_run():
     budget = make_budget()
-    plain_before, verify_seconds = budget._costs()["target"](16), 2 * float(budget.verify(24))
+    plain_before, verify_seconds = budget.prices.costs()["target"](16), 2 * float(budget.prices.verify(24))
     for _ in range(40):  # verification costs twice its calibration; no plain step runs meanwhile
-        budget.observe_target(24, verify_seconds, verifies=True)
-    costs = budget._costs()
+        budget.prices.observe_target(24, verify_seconds, verifies=True)
+    costs = budget.prices.costs()
     assert costs["verify"](24) == pytest.approx(verify_seconds, rel=0.05)
     assert costs["target"](16) == pytest.approx(plain_before, rel=0.02)
 
@@ -558,12 +558,12 @@ def test_verifying_steps_dearer_than_calibrated_leave_a_plain_step_priced_as_run
 def test_a_tree_size_not_run_follows_the_drafting_passes_that_are():
     budget = make_budget()
     for _ in range(20):
-        budget.observe_target(4, 0.03, verifies=True)
-        budget.observe_target(2, 0.02, verifies=True)
-    before = budget._costs()["verify"](4)
+        budget.prices.observe_target(4, 0.03, verifies=True)
+        budget.prices.observe_target(2, 0.02, verifies=True)
+    before = budget.prices.costs()["verify"](4)
     for _ in range(20):  # only 2-token verification runs for a while, 1.5x slower
-        budget.observe_target(2, 0.03, verifies=True)
-    assert budget._costs()["verify"](4) == pytest.approx(1.5 * before, rel=0.15)
+        budget.prices.observe_target(2, 0.03, verifies=True)
+    assert budget.prices.costs()["verify"](4) == pytest.approx(1.5 * before, rel=0.15)
 
 
 def fake_clock(monkeypatch) -> list[float]:
@@ -584,13 +584,13 @@ def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
 
     now = fake_clock(monkeypatch)
     budget = make_budget()
-    before = budget._costs()["target"](np.array([4.0, 256.0]))
+    before = budget.prices.costs()["target"](np.array([4.0, 256.0]))
     for _ in range(20):  # a prompt chunk of 252 tokens beside 4 decoding requests, priced 10x
         budget.step_started(256, 252)
-        now[0] += 10 * float(budget.target(256))
+        now[0] += 10 * float(budget.prices.target(256))
         budget.target_done()
         budget.count_step(NO_DRAFTS, [0] * 4)
-    assert budget._costs()["target"](np.array([4.0, 256.0])) == pytest.approx(before)
+    assert budget.prices.costs()["target"](np.array([4.0, 256.0])) == pytest.approx(before)
 
 
 def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
@@ -606,17 +606,17 @@ def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
         now[0] += gap
 
     for kind, verify_per_token in (("plain steps", 0.01), ("drafting steps", 0.00001)):
-        budget.verify = linear_curve(256, 0.010, verify_per_token)  # drafts pay only when cheap
+        budget.prices.verify = linear_curve(256, 0.010, verify_per_token)  # drafts pay only when cheap
         for _ in range(30):
             step(0.010, 0.001)
-        drafts, costs = budget.plan(4).drafts, budget._costs()
+        drafts, costs = budget.plan(4).drafts, budget.prices.costs()
         assert drafts == (kind == "drafting steps")
         step(0.010, 60.0)  # no requests for a minute
         for _ in range(3):
             step(0.010, 0.001)
         assert budget.plan(4).drafts == drafts, kind
         for name in ("overhead", "draft_overhead"):
-            assert budget._costs()[name] < 1.5 * costs[name] + 0.001, (kind, name)
+            assert budget.prices.costs()[name] < 1.5 * costs[name] + 0.001, (kind, name)
 
 
 def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price(monkeypatch):
@@ -646,8 +646,8 @@ def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price
     for drafts in (False, True):
         for i in range(40):
             step(300 if i % 2 else 0, drafts)
-    assert budget.overhead < 0.002 and budget.draft_overhead < 0.002
-    assert budget.level(4) < 0.002
+    assert budget.prices.overhead < 0.002 and budget.prices.draft_overhead < 0.002
+    assert budget.prices.level(4) < 0.002
 
 
 def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
@@ -655,8 +655,8 @@ def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
     assert budget.plan(4).drafts
     for _ in range(8):  # verifying steps turn out to cost 10x a plain pass
         for tokens in (8, 16, 32):
-            budget.verify.observe(tokens, 0.1)
-    assert not budget.plan(4).drafts and budget.replans == 1
+            budget.prices.verify.observe(tokens, 0.1)
+    assert not budget.plan(4).drafts and budget.counters.replans == 1
 
 
 def test_verifier_width_follows_the_adaptive_budget_counts():
@@ -782,9 +782,11 @@ def decisions_of_ranks(budgets: list) -> list[list]:
         reach = np.cumprod(rng.uniform(0.3, 0.95, (batch, 8)), axis=1)
         for rank, budget in enumerate(budgets):
             slow = (1.0 + 2.0 * rank) * rng.uniform(0.8, 1.6)
-            budget.observe_target(batch * 4, slow * 0.02 * (1 + batch * 4 / 16), verifies=step % 2 == 1)
+            seconds = slow * 0.02 * (1 + batch * 4 / 16)
+            budget.prices.observe_target(batch * 4, seconds, verifies=step % 2 == 1)
             plan = budget.plan(batch)
-            budget.level.observe(batch * 3, slow * 0.002)  # the step's own levels, before its allocation
+            # the step's own levels, before its allocation
+            budget.prices.level.observe(batch * 3, slow * 0.002)
             alone = budget.chains_alone_pay(plan, reach) if plan.drafts else None
             counts = budget.allocate(plan, values, depths, torch.ones(batch, dtype=torch.bool)).tolist()
             budget.count_step(plan, counts)
@@ -844,7 +846,7 @@ def test_the_cuda_clock_resolves_every_step_and_a_plain_steps_overhead_excludes_
         budget.count_step(NO_DRAFTS, [0, 0, 0, 0])
         FakeEvent.now[0] += 0.002  # between steps
     assert len(budget.clock.pending) <= 1
-    assert budget.overhead == pytest.approx(0.01, rel=0.05)  # not the pass's 0.05 on top
+    assert budget.prices.overhead == pytest.approx(0.01, rel=0.05)  # not the pass's 0.05 on top
 
 
 def test_a_steps_prices_are_frozen_at_its_plan(monkeypatch):
@@ -867,7 +869,7 @@ def test_a_steps_prices_are_frozen_at_its_plan(monkeypatch):
         torch.ones(2, dtype=torch.bool),
     )
     budget.allocate(*args)
-    budget.level.observe(6, 5.0)  # a level timed far slower, mid-step
+    budget.prices.level.observe(6, 5.0)  # a level timed far slower, mid-step
     budget.allocate(*args)
     assert torch.equal(seen[0], seen[1])
     budget.plan(2)

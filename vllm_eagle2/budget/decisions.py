@@ -8,7 +8,7 @@ both maximising expected tokens per second of the next step:
 * before drafting, on the host, :func:`plan_draft` picks the draft's shape (depth, topk)
   and the nodes per request it pays to verify, or no drafts at all, from the batch size,
   the :class:`~vllm_eagle2.budget.costs.CostCurve` of the target and of one draft level, and the
-  :class:`AcceptanceModel` (acceptance per depth and sibling rank);
+  :class:`~vllm_eagle2.budget.acceptance.AcceptanceModel` (acceptance per depth and sibling rank);
 * after drafting, on the device, :func:`allocate_nodes` splits one budget across the batch
   in order of calibrated path value (EAGLE-2's own ordering, corrected per depth by the
   acceptance the engine observed): confident trees get more nodes, doubtful ones fewer.
@@ -28,7 +28,6 @@ from vllm_eagle2.budget.costs import Cost
 from vllm_eagle2.tree import pool_size
 
 __all__ = [
-    "AcceptanceModel",
     "DraftPlan",
     "NO_DRAFTS",
     "allocate_nodes",
@@ -37,58 +36,6 @@ __all__ = [
     "plan_draft",
     "step_cost",
 ]
-
-
-class AcceptanceModel:
-    """Acceptance by tree position, learnt from the trees the engine verifies.
-
-    ``p[d, r]``: the probability that the rank-``r`` child (0 = likeliest) of a node at depth
-    ``d`` (0 = the root) is accepted, given that its parent was. Counts are discounted sums
-    (recent steps weigh more) plus a prior of ``prior_weight`` pseudo-trials, which only matters
-    until the engine has seen that position a few times. Each position's prior is the estimate
-    next to it: the rank above's times ``prior_decay``, for rank 0 the level above's rank 0, and
-    ``prior_top1`` for the root's likeliest child. A fixed prior per position (0.5, 0.25, ...)
-    priced the positions a batch-1 engine rarely drafts (ranks 1+, depth 2+) far above the
-    measured top-1 (0.25 at rank 1 beside 0.28 measured at rank 0), so the budget kept trying
-    wider and deeper trees that returned half their predicted gain.
-    """
-
-    def __init__(
-        self,
-        depth: int,
-        topk: int,
-        prior_top1: float = 0.5,
-        prior_decay: float = 0.5,
-        prior_weight: float = 2.0,
-    ) -> None:
-        self.depth, self.topk = depth, topk
-        self.prior_top1, self.prior_decay, self.prior_weight = prior_top1, prior_decay, prior_weight
-        self.trials = np.zeros((depth, topk))
-        self.accepts = np.zeros((depth, topk))
-
-    def update(self, trials: np.ndarray, accepts: np.ndarray) -> None:
-        """Replace the counts with the engine's discounted sums, each [depth, topk]."""
-        self.trials = np.asarray(trials, dtype=np.float64)[: self.depth, : self.topk]
-        accepts = np.asarray(accepts, dtype=np.float64)[: self.depth, : self.topk]
-        self.accepts = np.minimum(accepts, self.trials)
-
-    def decay(self, factor: float) -> None:
-        """Discount the counts by ``factor`` (towards the prior)."""
-        self.trials = self.trials * factor
-        self.accepts = self.accepts * factor
-
-    @property
-    def p(self) -> np.ndarray:
-        """[depth, topk] conditional acceptance probabilities."""
-        w = self.prior_weight
-        denominator = self.trials + w
-        out = np.empty((self.depth, self.topk))
-        prior = self.prior_top1
-        for d in range(self.depth):  # rank 0, level by level
-            prior = out[d, 0] = (self.accepts[d, 0] + w * prior) / denominator[d, 0]
-        for r in range(1, self.topk):  # then each rank from the one above, all levels at once
-            out[:, r] = (self.accepts[:, r] + w * self.prior_decay * out[:, r - 1]) / denominator[:, r]
-        return out
 
 
 @dataclass(frozen=True)
@@ -164,7 +111,8 @@ def plan_draft(
 
     Args:
         batch: requests in the step (>= 1).
-        acceptance: [>= max_depth, >= max_topk] acceptance rates (:attr:`AcceptanceModel.p`).
+        acceptance: [>= max_depth, >= max_topk] acceptance rates
+            (:attr:`~vllm_eagle2.budget.acceptance.AcceptanceModel.p`).
         target: seconds of a target pass by tokens in a step without drafts to verify;
             verify: the same in a step that verifies drafts (default ``target``); level:
             seconds of a draft level by rows.
@@ -184,11 +132,40 @@ def plan_draft(
     counts = np.arange(max_nodes + 1, dtype=np.float64)
     if sent is not None:  # n planned, min(n, sent) sent
         counts = np.minimum(counts, max(float(sent), 0.0))
+    # A plan's seconds: verified + root + (d - 1) * expand + draft_overhead (summed in that order).
+    verified = verify(batch * (1.0 + counts)) + float(level(batch))  # [N + 1], the root level's too
+    expand = level(batch * topks)[:, None]  # [K, 1]
+    best_rate, best_nodes, best_gain = _rate_shapes(
+        batch, acceptance, topks, max_depth, max_nodes, counts, (verified, expand, draft_overhead), chain_only
+    )
+    k, d = np.unravel_index(int(np.argmax(best_rate)), best_rate.shape)
+    if not best_rate[k, d] > none_rate:
+        return DraftPlan(0, 0, 0, 0, none_rate)
+    topk, depth = int(topks[k]), int(d) + 1
+    size = min(max_nodes, pool_size(depth, topk))
+    return DraftPlan(depth, topk, size, int(best_nodes[k, d]), float(best_rate[k, d]), float(best_gain[k, d]))
+
+
+def _rate_shapes(
+    batch: int,
+    acceptance: np.ndarray,
+    topks: np.ndarray,
+    max_depth: int,
+    max_nodes: int,
+    counts: np.ndarray,
+    seconds: tuple[np.ndarray, np.ndarray, float],
+    chain_only: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The best rate of every shape (k, d) over its node counts, its count and its gain, each [K, D]
+    (:func:`plan_draft`'s search; -inf where a chain stopped early).
+
+    counts: [N + 1] the drafts sent at each count planned (fractional where ``sent`` caps them);
+    seconds: (verified [N + 1], the verification and root level at each count; expand [K, 1], an
+    expansion level for each topk; draft_overhead).
+    """
+    verified, expand, draft_overhead = seconds
     low = np.floor(counts).astype(np.int64)
     high, above = np.minimum(low + 1, max_nodes), counts - low
-    verified = verify(batch * (1.0 + counts))
-    root = float(level(batch))
-    expand = level(batch * topks)[:, None]  # [K, 1]
     best_rate = np.full((len(topks), max_depth), -np.inf)  # of each shape (k, d), at its best n
     best_nodes = np.zeros((len(topks), max_depth), np.int64)
     best_gain = np.zeros((len(topks), max_depth))
@@ -208,8 +185,7 @@ def plan_draft(
         pool = -np.sort(-merged, axis=1)[:, :max_nodes]
         gain = np.concatenate([np.zeros((len(topks), 1)), np.cumsum(pool, axis=1)], axis=1)
         gain = (1.0 - above) * gain[:, low] + above * gain[:, high]  # at the counts sent
-        cost = verified + root + (d - 1) * expand + draft_overhead  # [K, N + 1]
-        rate = batch * (1 + gain) / cost
+        rate = batch * (1 + gain) / (verified + (d - 1) * expand + draft_overhead)  # [K, N + 1]
         if chain_only:  # a chain keeps all d of its nodes (d <= max_nodes: the loop stops there)
             j = np.full(1, d)
         else:
@@ -221,12 +197,7 @@ def plan_draft(
         best_gain[:, d - 1] = gain[np.arange(len(topks)), j]
         if chain_only and d >= max_nodes:
             break
-    k, d = np.unravel_index(int(np.argmax(best_rate)), best_rate.shape)
-    if not best_rate[k, d] > none_rate:
-        return DraftPlan(0, 0, 0, 0, none_rate)
-    topk, depth = int(topks[k]), int(d) + 1
-    size = min(max_nodes, pool_size(depth, topk))
-    return DraftPlan(depth, topk, size, int(best_nodes[k, d]), float(best_rate[k, d]), float(best_gain[k, d]))
+    return best_rate, best_nodes, best_gain
 
 
 def step_cost(

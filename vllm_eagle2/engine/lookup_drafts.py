@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_eagle2.budget.acceptance import DISCOUNT
 from vllm_eagle2.device import to_device
 from vllm_eagle2.graft import LookupChains
 from vllm_eagle2.lookup import OutputCache, SuffixIndex
@@ -44,8 +45,6 @@ ALONE_MIN_BUCKET = 3
 #: ``0`` keeps the head's levels beside every chain (the budget never lets confident chains go alone):
 #: what that choice is worth, for the benchmark's ``lookup_head`` row.
 HEAD_SKIP_ENV = "VLLM_EAGLE2_HEAD_SKIP"
-#: Per verification, older counts are multiplied by this (a memory of about 50 steps).
-DISCOUNT = 0.98
 #: The request's last tokens looked up in the output cache: a match longer than the top bucket's
 #: bound values no differently.
 CACHE_QUERY = 2 * MATCH_BUCKETS[-1]

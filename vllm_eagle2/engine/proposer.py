@@ -323,7 +323,7 @@ class Eagle2Proposer(EagleProposer):
                 allowed,
                 grafted[:, :n_out],
             )
-            budget.copy_stats()
+            budget.acceptance.copy_to_host()
         sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
         off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
         # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.

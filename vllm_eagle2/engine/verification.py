@@ -315,7 +315,7 @@ def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta:
     trees = verify.trees
     budget = getattr(runner.drafter, "budget", None)
     if budget is not None:  # the head's calibration: its own nodes only
-        budget.record_verification(
+        budget.acceptance.record(
             verify.parents, verify.depths, trees.ranks, trees.scores, trees.known & ~trees.grafted, accepted
         )
     lookup = getattr(runner.drafter, "lookup", None)
