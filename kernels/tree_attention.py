@@ -52,6 +52,22 @@ from .tree_attention_triton import paged_tree_attention_triton
 __all__ = ["paged_tree_attention"]
 
 
+def _resolve_backend(backend: str, query: torch.Tensor) -> str:
+    """``"cpp"``, ``"torch"`` or ``"triton"``: ``backend`` itself, or for ``"auto"`` Triton when
+    ``query`` is on CUDA and Triton is importable (torch when it is not), on CPU
+    :func:`~vllm_eagle2.kernels.cpu_backend`.  Raises ValueError for an unknown name; runs before
+    the argument checks, so ``query`` may still be anything."""
+    if backend == "auto":
+        on_cuda = isinstance(query, torch.Tensor) and query.is_cuda
+        if on_cuda:
+            backend = "triton" if HAS_TRITON else "torch"
+        else:
+            backend = cpu_backend()
+    if backend not in ("cpp", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'cpp', 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
 def paged_tree_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -113,14 +129,7 @@ def paged_tree_attention(
         ValueError: an argument has the wrong shape/dtype/device, unknown
             ``backend``; (torch and cpp backends) inconsistent lengths.
     """
-    if backend == "auto":
-        on_cuda = isinstance(query, torch.Tensor) and query.is_cuda
-        if on_cuda:
-            backend = "triton" if HAS_TRITON else "torch"
-        else:
-            backend = cpu_backend()
-    if backend not in ("cpp", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'cpp', 'torch' or 'triton', got {backend!r}")
+    backend = _resolve_backend(backend, query)
     tensors = (query, key_cache, value_cache, block_table, query_start_loc, context_lens, region_lens, mask)
     check_args(*tensors, out)
     if out is None:

@@ -130,6 +130,65 @@ def _choose_num_splits(n_tiles: int, hkv: int, max_context_len: int, block_n: in
     return max(1, min(want, cap, _MAX_SPLITS))
 
 
+def _tile_sizes(
+    g: int, d: int, max_q: int, block_q: int | None, block_n: int | None
+) -> tuple[int, int, int, int]:
+    """``(block_q, block_g, block_n, block_d)`` for ``g`` query heads per kv head, head size ``d``
+    and at most ``max_q`` queries per request: ``block_q`` / ``block_n`` as given (checked) or the
+    defaults, ``block_g`` / ``block_d`` the padded group and head sizes.
+
+    Raises:
+        ValueError: ``block_q`` not a power of 2 with ``block_q * block_g >= 16``, or ``block_n``
+            not a power of 2 >= 16.
+    """
+    block_g = _next_pow2(g)
+    block_d = max(16, _next_pow2(d))
+    if block_q is None:
+        block_q = default_block_q(max_q, g)
+    if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32  # K and V tiles of 64 x 256 would crowd shared memory
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
+    return block_q, block_g, block_n, block_d
+
+
+def _tile_table(
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    region_lens: torch.Tensor,
+    r: int,
+    n_grid: int,
+    block_q: int,
+) -> torch.Tensor:
+    """``[n_grid, 6]`` int32 contiguous, the plan's ``tiles`` (see :class:`_TritonPlan`); torch
+    ops, no host sync.
+
+    ``r`` requests; request ``i`` gets ``ceil(q_i / block_q)`` consecutive tiles, requests in
+    order; the grid slots past the last tile (``n_grid`` is an upper bound) get request -1.
+    """
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    n_tiles = (q_lens + block_q - 1) // block_q
+    tile_end = torch.cumsum(n_tiles, 0)
+    p = torch.arange(n_grid, device=query_start_loc.device)
+    req = torch.searchsorted(tile_end, p, right=True)
+    req_c = req.clamp(max=r - 1)  # unused slots (req == r) index in range; the kernels skip them
+    tiles = torch.stack(
+        [
+            torch.where(req < r, req, torch.full_like(req, -1)),
+            (p - (tile_end - n_tiles)[req_c]) * block_q,
+            qsl[req_c],
+            q_lens[req_c],
+            context_lens.to(torch.int64)[req_c],
+            region_lens.to(torch.int64)[req_c],
+        ],
+        dim=1,
+    )
+    return tiles.to(torch.int32).contiguous()
+
+
 def _make_plan(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -154,16 +213,7 @@ def _make_plan(
     _, hkv, bs, _ = key_cache.shape
     r, max_blocks = block_table.shape
     g = h // hkv
-    block_g = _next_pow2(g)
-    block_d = max(16, _next_pow2(d))
-    if block_q is None:
-        block_q = default_block_q(mask.shape[1], g)
-    if block_q < 1 or block_q * block_g < 16 or block_q & (block_q - 1):
-        raise ValueError(f"block_q must be a power of 2 with block_q * {block_g} >= 16, got {block_q}")
-    if block_n is None:
-        block_n = 64 if block_d <= 128 else 32  # K and V tiles of 64 x 256 would crowd shared memory
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
+    block_q, block_g, block_n, block_d = _tile_sizes(g, d, mask.shape[1], block_q, block_n)
     block_m = block_q * block_g
     n_grid = q_total // block_q + r
     if num_splits is None:
@@ -188,25 +238,7 @@ def _make_plan(
     )
 
     dev = query_start_loc.device
-    qsl = query_start_loc.to(torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    n_tiles = (q_lens + block_q - 1) // block_q
-    tile_end = torch.cumsum(n_tiles, 0)
-    p = torch.arange(n_grid, device=dev)
-    req = torch.searchsorted(tile_end, p, right=True)
-    req_c = req.clamp(max=r - 1)
-    tiles = torch.stack(
-        [
-            torch.where(req < r, req, torch.full_like(req, -1)),
-            (p - (tile_end - n_tiles)[req_c]) * block_q,
-            qsl[req_c],
-            q_lens[req_c],
-            context_lens.to(torch.int64)[req_c],
-            region_lens.to(torch.int64)[req_c],
-        ],
-        dim=1,
-    )
-    tiles = tiles.to(torch.int32).contiguous()
+    tiles = _tile_table(query_start_loc, context_lens, region_lens, r, n_grid, block_q)
     if num_splits > 1:
         n_parts = n_grid * hkv * num_splits
         acc = torch.empty(n_parts * block_m * block_d, dtype=torch.float32, device=dev)
@@ -241,6 +273,76 @@ def _cached_plan(
         if plan_cache is not None:
             plan_cache[key] = plan
     return plan
+
+
+def _launch_ctx_split(
+    plan: _TritonPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    qk_scale: float,
+) -> None:
+    """Launch ``_ctx_split_kernel`` on grid ``(n_tiles, Hkv, num_splits)``: the partials (``acc``,
+    ``m``, ``l``) of every non-empty context chunk into ``plan.acc`` / ``plan.ml``.  ``qk_scale``:
+    the softmax scale times log2(e) (the kernels' softmax is base 2)."""
+    hkv, max_blocks = key_cache.shape[1], block_table.shape[1]
+    _ctx_split_kernel[(plan.n_tiles, hkv, plan.num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        plan.tiles,
+        plan.acc,
+        plan.ml,
+        qk_scale,
+        plan.num_splits,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_table.stride(),
+        max_blocks,
+        **plan.consts,
+    )
+
+
+def _launch_region_merge(
+    plan: _TritonPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    mask: torch.Tensor,
+    qk_scale: float,
+) -> None:
+    """Launch ``_region_merge_kernel`` on grid ``(n_tiles, Hkv)``: the masked region, merged with
+    the split kernel's partials (``num_splits > 1``) or with the context walked inline, into
+    ``out``; ``qk_scale`` as :func:`_launch_ctx_split`."""
+    hkv, max_blocks = key_cache.shape[1], block_table.shape[1]
+    _region_merge_kernel[(plan.n_tiles, hkv)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_table,
+        mask,
+        plan.tiles,
+        plan.acc,
+        plan.ml,
+        qk_scale,
+        plan.num_splits,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *out.stride(),
+        *block_table.stride(),
+        *mask.stride(),
+        max_blocks,
+        mask.shape[1],
+        mask.shape[2],
+        **plan.region_consts,
+    )
 
 
 def paged_tree_attention_triton(
@@ -290,46 +392,6 @@ def paged_tree_attention_triton(
     )
 
     qk_scale = float(scale) * _LOG2E
-    hkv = key_cache.shape[1]
-    max_blocks = block_table.shape[1]
     if plan.num_splits > 1:
-        _ctx_split_kernel[(plan.n_tiles, hkv, plan.num_splits)](
-            query,
-            key_cache,
-            value_cache,
-            block_table,
-            plan.tiles,
-            plan.acc,
-            plan.ml,
-            qk_scale,
-            plan.num_splits,
-            *query.stride(),
-            *key_cache.stride(),
-            *value_cache.stride(),
-            *block_table.stride(),
-            max_blocks,
-            **plan.consts,
-        )
-    _region_merge_kernel[(plan.n_tiles, hkv)](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        block_table,
-        mask,
-        plan.tiles,
-        plan.acc,
-        plan.ml,
-        qk_scale,
-        plan.num_splits,
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *out.stride(),
-        *block_table.stride(),
-        *mask.stride(),
-        max_blocks,
-        mask.shape[1],
-        mask.shape[2],
-        **plan.region_consts,
-    )
+        _launch_ctx_split(plan, query, key_cache, value_cache, block_table, qk_scale)
+    _launch_region_merge(plan, query, key_cache, value_cache, out, block_table, mask, qk_scale)

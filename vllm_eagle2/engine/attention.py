@@ -24,6 +24,10 @@ afterwards, in vLLM's separate ``sample_tokens`` call, with the backend's own wr
 those are buffers of a compiled piece (or of a CUDA graph's pool) that the pieces after it reuse,
 so by the time of the move they held other data (the greedy outputs of eagle2's trees differed
 from plain decoding in compiled mode, 4 of 8 tiny-model prompts).
+
+The wrapping is a patch of vLLM (``forward``, ``do_kv_cache_update`` and the ``_eagle2_wrapped`` marker
+on each layer's ``impl`` instance, neither recorded nor rolled back): it is listed, with why, its
+upstream reference and when to remove it, in the index of :mod:`vllm_eagle2.patches`.
 """
 
 from __future__ import annotations
