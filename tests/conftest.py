@@ -183,9 +183,11 @@ LAYERS = {
         "test_vocab_topk",
         "test_kernel_warmup",
         "test_runner",
+        "test_plugin_layout",
     },
     "engine": {
         "test_plugin",
+        "test_patch_index",
         "test_engine_lossless",
         "test_engine_requests",
         "test_sampling_lossless",

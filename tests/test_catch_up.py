@@ -141,8 +141,8 @@ def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, lis
         return NO_DRAFTS if any(steps["n"] in r for r in PAUSES) else fit(plan, batch, max_rows)
 
     class RootsSeen(proposer_module.TreeExpander):
-        def __init__(self, proposer, cad, root_pos, root_hidden):
-            super().__init__(proposer, cad, root_pos, root_hidden)
+        def __init__(self, proposer, cad, root_pos, root_hidden, **kwargs):
+            super().__init__(proposer, cad, root_pos, root_hidden, **kwargs)
             proposer._test_roots = root_pos.tolist()
 
     propose = proposer_module.Eagle2Proposer.propose

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_eagle2.tree import TREE_MODES, build_dynamic_tree, pool_size
-from vllm_eagle2.verify.verifier import verify_greedy, verify_tree
+from vllm_eagle2.verify.verifier import verify_tree
 
 
 def garbage_logits(gen: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tensor:
@@ -90,6 +90,6 @@ def test_nan_draft_rows_fall_back_to_the_targets_token():
     parents = torch.tensor([[-1, 0, 1]])
     logits = torch.full((1, 4, 10), -1.0)
     logits[0, 0, 3] = 5.0  # the target wants 3 first: no draft matches
-    result = verify_greedy(tokens, parents, logits)
+    result = verify_tree(tokens, parents, logits)
     assert result.output_tokens[0].tolist() == [3, -1, -1, -1]
     assert int(result.num_accepted[0]) == 0

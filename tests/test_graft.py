@@ -11,7 +11,7 @@ from test_tree import PathDraft
 
 from vllm_eagle2.graft import LookupChains
 from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain, pool_size
-from vllm_eagle2.verify import verify_greedy
+from vllm_eagle2.verify import verify_tree
 
 VOCAB, DEPTH, TOPK, LENGTH = 12, 4, 3, 5
 
@@ -138,7 +138,7 @@ def test_a_grafted_tree_verifies_as_any_tree():
     for row, prefix in enumerate([(), *path]):
         follow = prefix == tuple(chain[: len(prefix)])
         logits[0, row, chain[len(prefix)] if follow and len(prefix) < 3 else 5] = 1.0
-    result = verify_greedy(tree.tokens, tree.parents, logits)
+    result = verify_tree(tree.tokens, tree.parents, logits)
     assert int(result.num_accepted[0]) == 3
     assert result.output_tokens[0, :4].tolist() == [7, 3, 3, 5]
 
@@ -155,6 +155,6 @@ def test_a_chain_alone_is_a_tree_of_grafted_nodes_that_verifies_as_a_chain():
     logits = torch.zeros(2, 4, VOCAB)
     logits[0, torch.arange(4), torch.tensor([7, 3, 8, 1])] = 1.0  # accepts 7 3, then says 8
     logits[1, torch.arange(4), torch.tensor([4, 2, 6, 1])] = 1.0  # accepts 4 2, then says 6
-    result = verify_greedy(tree.tokens, tree.parents, logits)
+    result = verify_tree(tree.tokens, tree.parents, logits)
     assert result.num_accepted.tolist() == [2, 2]
     assert result.output_tokens[:, :3].tolist() == [[7, 3, 8], [4, 2, 6]]

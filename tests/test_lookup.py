@@ -1,6 +1,6 @@
 """The lookup matcher: one request's longest repeated suffix and what followed it, kept incrementally
 in bounded memory (:class:`vllm_eagle2.lookup.SuffixIndex`); and the chains' outlook the budget weighs
-(:meth:`vllm_eagle2.engine.lookup_drafts.LookupDrafts.outlook`)."""
+(:meth:`vllm_eagle2.engine.lookup_drafts.StepChains.reach`)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,13 @@ def test_a_window_keeps_the_last_tokens_and_matches_within_them():
         assert index.match(4) == brute_force_match(kept, 4)
 
 
+def transitions(index) -> int:
+    """Transitions the automaton holds (its ``_next`` maps)."""
+    return sum(len(state) for state in index._next)
+
+
 @pytest.mark.parametrize("kind", ["random", "one token", "two tokens", "fibonacci"])
-def test_updates_take_time_linear_in_the_tokens_added(kind):
+def test_the_automaton_stays_linear_in_the_tokens_added(kind):
     # Work counted in transitions set and suffix links followed (no timing): at most 4 per token.
     n = 20_000
     rng = random.Random(1)
@@ -90,7 +95,9 @@ def test_updates_take_time_linear_in_the_tokens_added(kind):
     for i in range(0, n, 3):
         index.extend(text[i : i + 3])
     assert len(index) == n
-    assert index.steps <= 4 * n
+    # A suffix automaton of n tokens: at most 2n - 1 states and 3n - 4 transitions (each extend adds
+    # what its loops visit, so the work stays linear too).
+    assert index.num_states <= 2 * n - 1 and transitions(index) <= max(3 * n - 4, 1)
 
 
 def test_memory_per_request_is_bounded_by_twice_the_window():
@@ -102,7 +109,7 @@ def test_memory_per_request_is_bounded_by_twice_the_window():
         index.extend([rng.randrange(1000)])
         assert len(index) <= 2 * window
         assert index.num_states <= 2 * len(index)
-    assert index.steps <= 4 * 40 * window + 2 * 4 * 40 * window  # rebuilds: one window per window added
+    assert transitions(index) <= 3 * len(index)
 
 
 def brute_force_find(text: list[int], query: list[int], max_tokens: int) -> tuple[int, list[int]]:
@@ -176,22 +183,21 @@ UNIQUE = list(range(200, 220))
 
 def test_the_outlook_prices_a_chain_by_its_match_length_and_a_request_without_one_at_zero():
     drafts = LookupDrafts(8, torch.device("cpu"))
-    chains, buckets = drafts.chains(runner_with([REPEATED, UNIQUE]), ["a", "b"])
-    assert buckets.tolist() == [3, -1]
+    chains = drafts.chains(runner_with([REPEATED, UNIQUE]), ["a", "b"], None)
+    assert chains.buckets.tolist() == [3, -1]
     rate = PRIOR_RATES[3]
-    assert drafts.outlook(8) == pytest.approx(np.array([rate ** np.arange(1, 9), np.zeros(8)]))
-    assert drafts.outlook(3) == pytest.approx(np.array([rate ** np.arange(1, 4), np.zeros(3)]))
+    assert chains.reach(8) == pytest.approx(np.array([rate ** np.arange(1, 9), np.zeros(8)]))
+    assert chains.reach(3) == pytest.approx(np.array([rate ** np.arange(1, 4), np.zeros(3)]))
 
 
 def test_the_outlook_follows_the_acceptance_verification_teaches():
     drafts = LookupDrafts(8, torch.device("cpu"))
     runner = runner_with([REPEATED])
-    drafts.chains(runner, ["a"])
-    before = drafts.outlook(8)[0, 0]
+    before = drafts.chains(runner, ["a"], None).reach(8)[0, 0]
     for _ in range(5):  # the chain's first token reached and rejected, five times
         one = torch.ones((1, 1), dtype=torch.long)
         drafts.record(one.bool(), torch.tensor([3]), -one, one, -one)
     for _ in range(2):  # the outlook reads the rates of the step before
-        drafts.chains(runner, ["a"])
-    after = drafts.outlook(8)[0, 0]
+        chains = drafts.chains(runner, ["a"], None)
+    after = chains.reach(8)[0, 0]
     assert after < 0.5 * before, (before, after)

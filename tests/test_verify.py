@@ -18,7 +18,6 @@ from vllm_eagle2.verify import verifier as verify
 from vllm_eagle2.verify.verifier import (
     apply_top_k_top_p,
     target_probs,
-    verify_greedy,
     verify_tree,
 )
 
@@ -74,7 +73,7 @@ def test_greedy_matches_loop_reference_on_random_trees():
     tokens = torch.tensor([t for t, _ in trees])
     parents = torch.tensor([p for _, p in trees])
     logits = torch.stack([planted_logits(t, p, vocab, rng, gen) for t, p in trees])
-    result = verify_greedy(tokens, parents, logits)
+    result = verify_tree(tokens, parents, logits)
     depths = []
     for b, (tok, par) in enumerate(trees):
         path, out = greedy_reference(tok, par, logits[b])
@@ -94,18 +93,18 @@ def test_greedy_padding_nodes_are_never_accepted():
     logits = torch.zeros(1, 4, 8)
     logits[0, 0, 3] = logits[0, 1, 4] = 1.0  # root -> 3 -> 4 is the target's path
     logits[0, 2, 5] = 1.0
-    result = verify_greedy(tokens, parents, logits)
+    result = verify_tree(tokens, parents, logits)
     assert result.output_tokens[0].tolist() == [3, 4, 0, -1]  # fixed width N + 1
     assert result.accepted_nodes[0].tolist() == [0, 2, -1]  # fixed width N
 
 
 def test_verify_rejects_bad_shapes():
     with pytest.raises(ValueError, match="target_logits"):
-        verify_greedy(
+        verify_tree(
             torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 5)
         )
     with pytest.raises(ValueError, match="parents"):
-        verify_greedy(
+        verify_tree(
             torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, 5)
         )
 
@@ -292,7 +291,7 @@ def test_verify_tree_mixes_greedy_and_sampled_rows(probs):
         top_k=torch.tensor([0, 1, 0, 1]),
         top_p=torch.tensor([1.0, 1.0, 1.0, 1.0]),
     )
-    greedy = verify_greedy(tokens, parents, logits)
+    greedy = verify_tree(tokens, parents, logits)
     assert torch.equal(mixed.output_tokens[[0, 2]], greedy.output_tokens[[0, 2]])
     # top_k = 1 at temperature 1 is greedy too, whatever the random draws.
     assert torch.equal(mixed.output_tokens[[1, 3]], greedy.output_tokens[[1, 3]])
@@ -352,7 +351,7 @@ def test_results_have_fixed_widths():
     parents = torch.tensor([[-1, 0, -1, -1]])
     logits = torch.zeros(1, 5, 8)
     for result in (
-        verify_greedy(tokens, parents, logits),
+        verify_tree(tokens, parents, logits),
         verify_tree(tokens, parents, logits, temperature=torch.ones(1)),
     ):
         assert result.accepted_nodes.shape == (1, 4)
@@ -432,7 +431,7 @@ def _fused_vs_cpu_runs(tokens, parents, logits):
     top_k = torch.tensor([0, 3, 5, 0])[:batch]
     top_p = torch.tensor([1.0, 0.9, 1.0, 0.8])[:batch]
     return [
-        verify_greedy(tokens, parents, logits),
+        verify_tree(tokens, parents, logits),
         verify._verify(tokens, parents, logits=logits, temperature=temperature, uniforms=u),
         verify._verify(tokens, parents, logits=logits, temperature=torch.ones(batch), uniforms=u),
         verify._verify(
@@ -515,7 +514,7 @@ def test_matches_the_level_walk_on_golden_cases(cpu_blocks, monkeypatch):
         n = tokens.shape[1]
         temperature, top_k, top_p = case["temperature"], case["top_k"], case["top_p"]
         u = _golden_uniforms(case["uniforms"], n)
-        greedy = verify_greedy(tokens, parents, logits)
+        greedy = verify_tree(tokens, parents, logits)
         _assert_golden(greedy, case["greedy"], n)
         # Every row sampled (greedy rows at T = 1, as the golden walk drew them) ...
         every = torch.where(temperature > 0, temperature, 1.0)
@@ -550,7 +549,7 @@ def _run_all(tokens, parents, logits, seeded: bool):
     batch = tokens.shape[0]
     gens = {1: torch.Generator(tokens.device).manual_seed(1)} if seeded else None
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0][:batch], device=tokens.device)
-    verify_greedy(tokens, parents, logits)
+    verify_tree(tokens, parents, logits)
     verify_tree(tokens, parents, logits, temperature=temperature, generators=gens)
     if tokens.device.type != "cpu":  # on CPU top-k/top-p compacts the rows it sorts, on purpose
         k = torch.full((batch,), 5, device=tokens.device)
@@ -593,14 +592,14 @@ SAMPLED_OPS = 170
 def test_verify_launch_budget():
     tokens, parents, logits = _batch(4, 60, 1100)
     temperature = torch.ones(4)
-    greedy = _op_counts(lambda: verify_greedy(tokens, parents, logits))
+    greedy = _op_counts(lambda: verify_tree(tokens, parents, logits))
     sampled = _op_counts(lambda: verify_tree(tokens, parents, logits, temperature=temperature))
     assert greedy <= GREEDY_OPS, greedy
     assert sampled <= SAMPLED_OPS, sampled
     assert sampled <= 2 * greedy  # sampling costs at most twice greedy
     # Fixed shape: a chain as deep as the tree costs exactly the same.
     chain = torch.arange(60).expand(4, 60) - 1
-    assert _op_counts(lambda: verify_greedy(tokens, chain, logits)) == greedy
+    assert _op_counts(lambda: verify_tree(tokens, chain, logits)) == greedy
 
 
 def test_top_k_top_p_on_the_cuda_path_samples_as_the_cpu_path(monkeypatch):

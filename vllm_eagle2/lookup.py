@@ -41,7 +41,6 @@ class SuffixIndex:
         if window < 1:
             raise ValueError(f"window must be >= 1; got {window}")
         self.window = window
-        self.steps = 0  # work done by extend, in transitions and links visited (for the tests)
         self._reset([])
 
     def _reset(self, tokens: list[int]) -> None:
@@ -90,7 +89,6 @@ class SuffixIndex:
         while p != -1 and token not in nexts[p]:
             nexts[p][token] = cur
             p = links[p]
-            self.steps += 1
         if p != -1:
             q = nexts[p][token]
             if lengths[p] + 1 == lengths[q]:
@@ -100,12 +98,10 @@ class SuffixIndex:
                 lengths.append(lengths[p] + 1)
                 links.append(links[q])
                 nexts.append(dict(nexts[q]))
-                self.steps += len(nexts[q])
                 firsts.append(firsts[q])
                 while p != -1 and nexts[p].get(token) == q:
                     nexts[p][token] = clone
                     p = links[p]
-                    self.steps += 1
                 links[q] = clone
                 links[cur] = clone
         self._last = cur

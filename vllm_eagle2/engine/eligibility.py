@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -43,6 +44,19 @@ def drafting_blockers(defaults: dict[str, Any]) -> list[str]:
     drafts, which is lossless but no faster.
     """
     return [f"{k}={defaults[k]}" for k, v in _NEUTRAL_SAMPLING.items() if k in defaults and defaults[k] != v]
+
+
+def warn_of_default_blockers(defaults: dict[str, Any]) -> None:
+    """Warn once, at engine start, where the model's generation config (``defaults``) sets a
+    sampling parameter that keeps requests from drafting (:func:`drafting_blockers`)."""
+    blockers = drafting_blockers(defaults)
+    if blockers:
+        logging.getLogger("vllm.eagle2").warning(
+            "eagle2: the model's generation config sets %s by default: requests that keep it are "
+            "decoded without drafts (the tree verifier applies temperature, top-k and top-p only). "
+            "To draft, start vLLM with --generation-config vllm or send neutral values per request.",
+            ", ".join(blockers),
+        )
 
 
 class EligibleRequests:

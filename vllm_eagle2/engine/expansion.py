@@ -8,7 +8,8 @@ ancestors, through the tree side channel of :mod:`vllm_eagle2.engine.attention`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -16,30 +17,59 @@ from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
 from vllm_eagle2.kernels import pack_tree_mask
 
-if TYPE_CHECKING:
-    from vllm_eagle2.engine.proposer import Eagle2Proposer
-
 #: The cache slot of a write that must not happen (vLLM's cache writers skip it).
 PAD_SLOT = -1
 
 
+class HeadRunner(Protocol):
+    """The drafter as a draft level sees it (:class:`~vllm_eagle2.engine.proposer.Eagle2Proposer`).
+
+    block_size: the KV cache's block size. run_level: one head pass over ``rows`` frontier nodes,
+    their tokens [rows] int64 (head-vocabulary positions), RoPE positions [rows] and parents'
+    hidden states [rows, H], with ``cad``'s attention metadata; returns the children's draft logits
+    [rows, V] and the head's hidden states [rows, H].
+    """
+
+    block_size: int
+
+    def run_level(
+        self, tokens: torch.Tensor, positions: torch.Tensor, parent_hidden: torch.Tensor, cad: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class TreeExpander:
-    """The ``draft_step`` of :func:`build_dynamic_tree`: one head pass per tree level."""
+    """The ``draft_step`` of :func:`build_dynamic_tree`: one head pass per tree level.
+
+    head: runs the passes; cad: the catch-up pass's attention metadata (vLLM's
+    ``CommonAttentionMetadata``); root_pos: [B] int64 each root's position; root_hidden: [B, H]
+    the head's hidden state at each root; region_capacity: draft KV slots past each request's end
+    (sized for the configured tree: an adaptive step may draft a narrower or shallower one);
+    max_model_len: the head's position limit; on_level: called with each level's rows as it starts
+    (the budget's level timer), or None.
+    """
 
     def __init__(
-        self, proposer: Eagle2Proposer, cad: Any, root_pos: torch.Tensor, root_hidden: torch.Tensor
+        self,
+        head: HeadRunner,
+        cad: Any,
+        root_pos: torch.Tensor,
+        root_hidden: torch.Tensor,
+        *,
+        region_capacity: int,
+        max_model_len: int,
+        on_level: Callable[[int], None] | None = None,
     ) -> None:
-        self.p = proposer
+        self.head = head
         self.cad = cad
         self.root_pos = root_pos  # [B]
-        # Sized for the configured tree: an adaptive step may draft a narrower or shallower one.
-        self.region_capacity = proposer.settings.draft_kv_slots
+        self.region_capacity = region_capacity
+        self.on_level = on_level
         # Draft KV of the tree goes right past the request's end. A request too close to
         # max_model_len gets no drafts: its writes are dropped (padding slots) and its
         # reads kept inside the block table.
         end = root_pos + 1
-        self.fits = end + self.region_capacity <= proposer.max_model_len  # [B]
-        self.start = torch.minimum(end, torch.full_like(end, proposer.max_model_len - self.region_capacity))
+        self.fits = end + region_capacity <= max_model_len  # [B]
+        self.start = torch.minimum(end, torch.full_like(end, max_model_len - region_capacity))
         self.parent_hidden = root_hidden.unsqueeze(1)  # [B, 1 or K, H]
         self.visible: torch.Tensor | None = None  # [B, K, region] ancestor-or-self, region slots
         self.block_table = cad.block_table_tensor[: root_pos.shape[0]]
@@ -49,15 +79,15 @@ class TreeExpander:
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots [B, K] of storage positions [B, K]; requests that do not fit: padding."""
-        bs = self.p.block_size
+        bs = self.head.block_size
         block = self.block_table.gather(1, positions // bs).long()
         return torch.where(self.fits.unsqueeze(1), block * bs + positions % bs, PAD_SLOT)
 
     def __call__(self, tokens: torch.Tensor, prev_slots: torch.Tensor, level: int) -> torch.Tensor:
         batch, k = tokens.shape
         device = tokens.device
-        if self.p.budget is not None:
-            self.p.budget.level_started(batch * k)
+        if self.on_level is not None:
+            self.on_level(batch * k)
         # Hidden state fed with each node: its parent's head output.
         if level == 2:
             parent_hidden = self.parent_hidden.expand(batch, k, -1).contiguous()
@@ -106,15 +136,9 @@ class TreeExpander:
             region_lens=torch.full_like(self.start, region_len),
             mask=pack_tree_mask(visible),
         )
-        # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
-        # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
-        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
-        # and its CUDA graphs read them.
-        p = self.p
-        p.input_ids[:rows] = p.vocab.token_ids(tokens).flatten()
-        p.positions[:rows] = positions.flatten()
-        p.hidden_states[:rows] = parent_hidden.flatten(0, 1)
         with attention.tree_batch(level_batch):
-            last_hidden, hidden = p._run_head(cad, rows, first_pass=False)
+            logits, hidden = self.head.run_level(
+                tokens.flatten(), positions.flatten(), parent_hidden.flatten(0, 1), cad
+            )
         self.parent_hidden = hidden.view(batch, k, -1)
-        return self.p.vocab.logits(last_hidden).view(batch, k, -1)
+        return logits.view(batch, k, -1)

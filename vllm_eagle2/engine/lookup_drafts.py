@@ -2,15 +2,15 @@
 
 Only with ``speculative_config.lookup`` > 0 (the chain length L). Per step:
 
-* :meth:`LookupDrafts.take_sampled` (before drafting): this step's sampled tokens, which vLLM
-  has on the device only until its bookkeeping, start their copy to the host.
-* :meth:`LookupDrafts.chains` (in ``propose``, after the catch-up pass is queued): each request's
+* :meth:`LookupDrafts.copy_sampled` (before the budget plans): this step's sampled tokens, which
+  vLLM has on the device only until its bookkeeping, start their copy to the host.
+* :meth:`LookupDrafts.chains` (when the step chooses its drafting): each request's
   :class:`~vllm_eagle2.lookup.SuffixIndex` takes its new tokens (the runner's host copy of its
   text, then this step's), and gives the continuation of its longest repeated suffix. A chain's
   value at position i is the summed log of the acceptance rate learned for chains of its match
   length at positions 0..i: the tree (:mod:`vllm_eagle2.graft`) weighs it against the head's nodes.
-* :meth:`LookupDrafts.outlook` (host, right after): the same chains as acceptance probabilities by
-  position, from the rates of the step before, for the budget's choice to leave the head's levels unrun.
+  :meth:`StepChains.reach` gives the same chains as acceptance probabilities by position (host,
+  from the rates of the step before), for the budget's choice to leave the head's levels unrun.
 * :meth:`LookupDrafts.record` (in verification): per match-length bucket and chain position,
   how often a grafted node was reached (its parent accepted) and accepted; discounted each step.
 
@@ -20,6 +20,7 @@ drafter is: a request's text lives on the host. Everything after it is batched o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,34 @@ HEAD_SKIP_ENV = "VLLM_EAGLE2_HEAD_SKIP"
 CACHE_QUERY = 2 * MATCH_BUCKETS[-1]
 
 
+@dataclass(frozen=True)
+class SampledCopy:
+    """A step's sampled tokens [B, W] (-1 = none) on the host, once ``event`` (CUDA) has passed."""
+
+    host: torch.Tensor
+    event: Any
+
+
+@dataclass(frozen=True)
+class StepChains:
+    """This step's lookup chains. chains: [B, L] (:class:`~vllm_eagle2.graft.LookupChains`);
+    buckets: [B] int64 on the device, each chain's match-length bucket (-1 = none); rates: [B, L]
+    host, the learnt acceptance rate of each chain position (up to the step before); lengths: [B]
+    host, each chain's tokens."""
+
+    chains: LookupChains
+    buckets: torch.Tensor
+    rates: np.ndarray
+    lengths: np.ndarray
+
+    def reach(self, max_nodes: int) -> np.ndarray:
+        """[B, <= max_nodes] host: the probability that each chain position is accepted with its
+        ancestors, 0 past a chain's end."""
+        rates = self.rates[:, :max_nodes]
+        within = np.arange(rates.shape[1]) < self.lengths[:, None]
+        return np.cumprod(np.where(within, rates, 0.0), axis=1)
+
+
 class LookupDrafts:
     """The lookup chains of one engine's requests (L = ``length`` tokens each at most)."""
 
@@ -61,8 +90,6 @@ class LookupDrafts:
         self._prompt_len: dict[str, int] = {}
         self.cache = OutputCache(cache_tokens) if cache_tokens else None
         self.cache_chains = 0  # chains taken from the cache (host count)
-        self._sampled: torch.Tensor | None = None  # this step's sampled tokens, [B, W] host, -1 padded
-        self._event: torch.cuda.Event | None = None
         # [2, buckets, L]: discounted trials and acceptances of grafted nodes.
         self.stats = torch.zeros(2, len(MATCH_BUCKETS), length, device=device)
         self._prior = torch.tensor(PRIOR_RATES, device=device).unsqueeze(1)  # [buckets, 1]
@@ -71,7 +98,6 @@ class LookupDrafts:
         self._rates_host = torch.tensor(PRIOR_RATES).unsqueeze(1).repeat(1, length)
         if device.type == "cuda":
             self._rates_host = self._rates_host.pin_memory()
-        self._outlook: tuple[np.ndarray, np.ndarray] = (np.zeros((0, length)), np.zeros(0, np.int64))
         self.sent = torch.zeros((), dtype=torch.long, device=device)  # grafted drafts verified
         self.accepted = torch.zeros((), dtype=torch.long, device=device)  # of them accepted
 
@@ -83,31 +109,53 @@ class LookupDrafts:
             if self.cache is not None and index is not None:
                 self.cache.add(index.tail(min(seen - prompt_len, len(index))))
 
-    def take_sampled(self, sampled: Any) -> None:
-        """This step's sampled tokens: a device tensor [B, W] (-1 = none), whose host copy starts
-        now, or host lists that vLLM has already written into the runner's text (nothing to add)."""
-        self._sampled, self._event = None, None
+    def copy_sampled(self, sampled: Any) -> SampledCopy | None:
+        """This step's sampled tokens on their way to the host: a device tensor [B, W] (-1 = none)
+        whose copy starts now, or None where vLLM has already written host lists into the runner's
+        text (nothing to add)."""
         if not isinstance(sampled, torch.Tensor):
-            return
-        if sampled.is_cuda:
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            self._sampled = host
-        else:
-            self._sampled = sampled
+            return None
+        if not sampled.is_cuda:
+            return SampledCopy(sampled, None)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return SampledCopy(host, event)
 
     def chains(
-        self, runner: Any, req_ids: list[str], min_bucket: int = 0
-    ) -> tuple[LookupChains | None, torch.Tensor]:
-        """Each request's chain and its match-length bucket ([B] int64 on the device, -1 = none);
-        None for the chains when no request has one. Chains of a bucket below ``min_bucket`` are
-        dropped (the requests' indexes still take every token)."""
+        self, runner: Any, req_ids: list[str], sampled: SampledCopy | None, min_bucket: int = 0
+    ) -> StepChains | None:
+        """Each request's chain, after its index takes the step's ``sampled`` tokens; None when no
+        request has one. Chains of a bucket below ``min_bucket`` are dropped (the requests' indexes
+        still take every token)."""
+        if sampled is not None and sampled.event is not None:
+            sampled.event.synchronize()
+        new_tokens = sampled.host.numpy() if sampled is not None else None
+        tokens, buckets, found = self._extend_and_match(runner, req_ids, new_tokens)
+        found &= buckets >= min_bucket
+        if not found.any():
+            return None
+        buckets[~found] = -1
+        tokens[~found] = -1
+        tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
+        trials, accepted = self.stats
+        rate = (accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
+        rates = self._rates_host.numpy()[buckets.clip(min=0)]  # learnt up to the step before
+        self._rates_host.copy_(rate, non_blocking=True)
+        log_rate = torch.log(rate)
+        values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
+        values = torch.where((tokens_d >= 0) & (buckets_d >= 0).unsqueeze(1), values, float("-inf"))
+        chains = LookupChains(torch.where(values > float("-inf"), tokens_d, -1), values)
+        return StepChains(chains, buckets_d, rates, (tokens >= 0).sum(1))
+
+    def _extend_and_match(
+        self, runner: Any, req_ids: list[str], sampled: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each request's index takes its new text (and its ``sampled`` [B, W] tokens, -1 padded,
+        unless discarded); returns its chain's tokens [B, L] (-1 padded), its match-length bucket
+        [B] and whether it has a chain [B] bool, all on the host."""
         batch = len(req_ids)
-        if self._event is not None:
-            self._event.synchronize()
-        sampled = self._sampled.numpy() if self._sampled is not None else None
         discard = runner.discard_request_mask.np[:batch]
         text, known = runner.input_batch.token_ids_cpu, runner.input_batch.num_tokens_no_spec
         prompt_lens = runner.input_batch.num_prompt_tokens
@@ -135,28 +183,8 @@ class LookupDrafts:
                     (length, continuation), self.cache_chains = cached, self.cache_chains + 1
             tokens[i, : len(continuation)] = continuation
             buckets[i] = np.searchsorted(MATCH_BUCKETS, length, side="right") - 1
-            found[i] = len(continuation) > 0 and buckets[i] >= min_bucket
-        if not found.any():
-            return None, to_device(np.full(batch, -1, dtype=np.int64), self.device)
-        buckets[~found] = -1
-        tokens[~found] = -1
-        tokens_d, buckets_d = to_device(tokens, self.device), to_device(buckets, self.device)
-        trials, accepted = self.stats
-        rate = (accepted + self._prior * PRIOR_TRIALS) / (trials + PRIOR_TRIALS)
-        self._outlook = (self._rates_host.numpy()[buckets.clip(min=0)], (tokens >= 0).sum(1))
-        self._rates_host.copy_(rate, non_blocking=True)
-        log_rate = torch.log(rate)
-        values = log_rate[buckets_d.clamp(min=0)].cumsum(1)
-        values = torch.where((tokens_d >= 0) & (buckets_d >= 0).unsqueeze(1), values, float("-inf"))
-        return LookupChains(torch.where(values > float("-inf"), tokens_d, -1), values), buckets_d
-
-    def outlook(self, max_nodes: int) -> np.ndarray:
-        """[B, <= max_nodes] host: the probability that each position of the last :meth:`chains`' chains
-        is accepted with its ancestors, 0 past a chain's end; learnt rates up to the step before."""
-        rates, lengths = self._outlook
-        rates = rates[:, :max_nodes]
-        within = np.arange(rates.shape[1]) < lengths[:, None]
-        return np.cumprod(np.where(within, rates, 0.0), axis=1)
+            found[i] = len(continuation) > 0
+        return tokens, buckets, found
 
     def record(
         self,

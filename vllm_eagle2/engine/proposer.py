@@ -1,31 +1,27 @@
 """The eagle2 drafter: vLLM's EAGLE head, grown into one dynamic tree per request.
 
-One step of drafting, for every request of the batch at once:
+One step of drafting, for every request of the batch at once, in phases:
 
-0. a step without head drafts ends in :meth:`Eagle2Proposer.begin_step`; its catch-up waits (.catch_up).
-1. catch-up: the head runs over the tokens the target just accepted, pairing target
-   hidden state i with token i + 1 (vLLM's own EAGLE first pass, reused as is). Its
+0. choose (:meth:`Eagle2Proposer.begin_step`, before vLLM prepares the drafter's inputs): the
+   budget plans the step's shape (:class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget`: depth and
+   topk, or no drafts, from the batch size and the measured costs) and the lookup chains are
+   found; one :class:`~.step.DraftChoice` follows: none, chains alone, the head's tree, or the
+   head's tree with the chains grafted in. A step without head levels may end there, its catch-up
+   rows waiting (:mod:`.catch_up`).
+1. catch-up (:meth:`Eagle2Proposer.propose`): the head runs over the tokens the target just
+   accepted, pairing target hidden state i with token i + 1 (vLLM's own EAGLE first pass). Its
    output at the last accepted position gives the root's children (level 1).
-2. expansion: ``depth - 1`` passes of the head over the ``topk`` frontier nodes of every
-   request (``vllm_eagle2.tree.build_dynamic_tree`` chooses them). A frontier node at
-   level L sits at position ``root + L``; its draft KV is written past the request's end
-   (slot ``end + (L - 1) * topk + j``) and it attends to the whole context plus its own
-   ancestors, through the tree side channel of :mod:`vllm_eagle2.engine.attention`.
-3. rerank: the best ``num_speculative_tokens`` nodes of the pool are the drafts, best
-   first; the tree is kept in :class:`~.step.ProposedTrees` for the verifier of the next step.
-
-With the adaptive budget (the default) the settings are upper bounds: before step 2 the
-:class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget` picks this step's depth and topk, or no drafts
-at all, from the batch size and the measured costs; after step 3 it cuts each request's tree
-to its share of one budget for the batch (each tree is best first, so any prefix is a tree).
-With ``lookup`` chains a step without head drafts may still send them, as chains, where the
-allocation finds their verification pays (no head pass). Beside confident chains the head's levels go unrun.
+2. expansion: ``depth - 1`` passes of the head over the ``topk`` frontier nodes of every request
+   (:func:`vllm_eagle2.tree.build_dynamic_tree` chooses them; :mod:`.expansion` runs them on the
+   paged KV cache), then the best nodes of the pool, best first.
+3. send (:mod:`.sending`): each tree cut to its share of one budget for the batch (any prefix of a
+   best-first tree is a tree); the trees are kept in :class:`~.step.ProposedTrees` for the verifier
+   of the next step.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,25 +29,21 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
-from vllm_eagle2.budget.decisions import NO_DRAFTS, DraftPlan, fit_level_rows
+from vllm_eagle2.budget.decisions import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_may_wait, step_rows, waiting_rows_metadata
-from vllm_eagle2.engine.eligibility import EligibleRequests, drafting_blockers
+from vllm_eagle2.engine.eligibility import EligibleRequests, warn_of_default_blockers
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.head_vocab import HeadVocabulary
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
 from vllm_eagle2.engine.ranks import rank_agreement
-from vllm_eagle2.engine.step import ProposedTrees
+from vllm_eagle2.engine.sending import send_drafts
+from vllm_eagle2.engine.step import DraftChoice, Eagle2Step, ProposedTrees
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
-from vllm_eagle2.tree import build_dynamic_tree, lookup_chain_tree, off_leading_chain
-
-if TYPE_CHECKING:
-    from vllm_eagle2.engine.step import Eagle2Step
-
-logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
+from vllm_eagle2.tree import DraftTree, build_dynamic_tree, lookup_chain_tree
 
 
 class Eagle2Proposer(EagleProposer):
@@ -94,21 +86,12 @@ class Eagle2Proposer(EagleProposer):
         self._full_plan = DraftPlan(
             depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
         )
-        self._step_plan: DraftPlan | None = None  # begin_step's plan, for this step's propose
-        self._step_chains: tuple[Any, torch.Tensor] | None = None  # begin_step's lookup chains
         self.catch_up = DeferredCatchUp(max_rows=self.max_num_tokens)
         self.head_passes = 0
         self.counters = VerifyCounters(device)
         self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None
         self.head_skip = env_flag(HEAD_SKIP_ENV, default=True)
-        blockers = drafting_blockers(vllm_config.model_config.get_diff_sampling_param())
-        if blockers:
-            logger.warning(
-                "eagle2: the model's generation config sets %s by default: requests that keep it are "
-                "decoded without drafts (the tree verifier applies temperature, top-k and top-p only). "
-                "To draft, start vLLM with --generation-config vllm or send neutral values per request.",
-                ", ".join(blockers),
-            )
+        warn_of_default_blockers(vllm_config.model_config.get_diff_sampling_param())
 
     # -- model ---------------------------------------------------------------------------
     def initialize_attn_backend(
@@ -143,56 +126,70 @@ class Eagle2Proposer(EagleProposer):
             self.lookup.forget(req_ids)
 
     def begin_step(
-        self, batch: int, sampled: Any = None, step: Eagle2Step | None = None, cad: Any = None, limit: int = 0
+        self, batch: int, sampled: Any, step: Eagle2Step, cad: Any = None, limit: int = 0
     ) -> list[list[int]] | None:
-        """Plan this step's drafts for its ``batch`` requests, before vLLM prepares the drafter's inputs.
+        """Choose this step's drafting for its ``batch`` requests (``step.draft``), before vLLM
+        prepares the drafter's inputs.
 
         ``sampled``: vLLM's sampled tokens of this step, for the lookup chains; ``step``: this step's
         state (the target's hidden-state rows, whether it verified drafts); ``cad``: vLLM's
         attention metadata of the step, for the drafter; ``limit``: the most drafts a request may get.
 
-        Returns the step's drafts when it sends no head drafts (none, or lookup chains alone) and
-        its catch-up waits (:mod:`.catch_up`): the head does no work and vLLM's drafter
-        preparation is skipped.
-        Else None: vLLM prepares the drafter's inputs and calls :meth:`propose`.
+        Returns the step's drafts when the plan has no head levels (none, or lookup chains alone)
+        and its catch-up waits (:mod:`.catch_up`): the head does no work and vLLM's drafter
+        preparation is skipped. Else None: vLLM prepares the drafter's inputs and calls :meth:`propose`.
         """
-        if self.lookup is not None:
-            self.lookup.take_sampled(sampled)
+        choice = step.draft = self._choose(batch, sampled, limit)
+        if choice.plan.drafts or not self._rows_wait(batch, step, sampled, cad):
+            return None
+        step.draft = None
+        if choice.chains is None:
+            return self._send_none(choice, batch)
+        tree = lookup_chain_tree(choice.chains, limit)
+        # Each request's context ends after this step's rows: the root is its last.
+        ends = self.runner.input_batch.num_computed_tokens_cpu[:batch] + np.diff(
+            self.runner.query_start_loc.np[: batch + 1]
+        )
+        fits = to_device(ends + tree.num_nodes <= self.max_model_len, choice.buckets.device)
+        return self._send(tree, fits, choice, limit)
+
+    def _choose(self, batch: int, sampled: Any, limit: int) -> DraftChoice:
+        """The step's one drafting choice: none, lookup chains alone, the head's tree, or the head's
+        tree with chains grafted in (:class:`~.step.DraftChoice`)."""
+        copy = self.lookup.copy_sampled(sampled) if self.lookup is not None else None
         budget = self.budget
         if budget is None:
             plan = self._full_plan
         else:
             budget.target_done()
             plan = budget.plan(batch)
-        fitted = self._step_plan = fit_level_rows(plan, batch, self.max_num_tokens)
+        fitted = fit_level_rows(plan, batch, self.max_num_tokens)
         self.counters.narrowed_steps += fitted is not plan
-        self._step_chains = None
+        chains = None
         if self.lookup is not None and batch:
             # A step without head drafts may still send long matches' chains: they cost no head
             # pass, only their verification, which the allocation prices.
             min_bucket = ALONE_MIN_BUCKET if not fitted.drafts else 0
             req_ids = list(self.runner.input_batch.req_ids[:batch])
-            self._step_chains = self.lookup.chains(self.runner, req_ids, min_bucket)
-        if self._step_chains is not None and self._step_chains[0] is None:
-            self._step_chains = None
-        if fitted.drafts or not self._rows_wait(batch, step, sampled, cad):
-            return None
-        self._step_plan = None
-        if self._step_chains is not None and limit > 0:  # chains alone: no head pass either
-            chains, buckets = self._step_chains
-            tree = lookup_chain_tree(chains, limit)
-            # Each request's context ends after this step's rows: the root is its last.
-            ends = self.runner.input_batch.num_computed_tokens_cpu[:batch] + np.diff(
-                self.runner.query_start_loc.np[: batch + 1]
-            )
-            fits = to_device(ends + tree.num_nodes <= self.max_model_len, buckets.device)
-            return self._send(tree, fits, fitted, buckets, False, limit)
-        self.proposed = None
-        if budget is not None:
-            budget.count_step(fitted, [0] * batch)
-        return [[] for _ in range(batch)]
+            chains = self.lookup.chains(self.runner, req_ids, copy, min_bucket)
+        if limit == 0:  # no drafts may be sent (the indexes took the step's tokens all the same)
+            chains = None
+        head = fitted.drafts and limit > 0
+        # Confident chains may leave the head's levels unrun: the budget weighs them alone against
+        # the plan beside them (a batch-wide choice, as a level runs for the whole batch).
+        head_skipped = False
+        if head and chains is not None and budget is not None and self.head_skip:
+            head_skipped = budget.chains_alone_pay(fitted, chains.reach(limit))
+        buckets = chains.buckets if chains is not None else torch.full((batch,), -1, device=self.device)
+        return DraftChoice(
+            plan=fitted,
+            head=head and not head_skipped,
+            chains=None if chains is None else chains.chains,
+            buckets=buckets,
+            head_skipped=head_skipped,
+        )
 
-    def _rows_wait(self, batch: int, step: Eagle2Step | None, sampled: Any, cad: Any) -> bool:
+    def _rows_wait(self, batch: int, step: Eagle2Step, sampled: Any, cad: Any) -> bool:
         """Keep this step's catch-up rows for later (:mod:`.catch_up`), if they may wait; with the
         queue at its length, run them with the waiting ones, in one head pass."""
         runner, queue = self.runner, self.catch_up
@@ -226,21 +223,75 @@ class Eagle2Proposer(EagleProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
     ) -> list[list[int]]:
-        """Draft one tree per request; returns each request's draft tokens (best first).
+        """Draft as :meth:`begin_step` chose; returns each request's draft tokens (best first).
 
-        The catch-up pass runs outside any ``tree_batch`` scope (causal); each expansion level
-        opens its own (:class:`~vllm_eagle2.engine.expansion.TreeExpander`).
+        Phases: the waiting catch-up rows and this step's catch-up pass (causal, outside any
+        ``tree_batch`` scope), then the drafts: none, the lookup chains alone, or the head's tree
+        (its expansion levels each open their own scope, :class:`~.expansion.TreeExpander`).
         """
-        budget = self.budget
+        step = self.runner._eagle2_step
+        choice = None if step is None else step.draft
+        if choice is None:
+            raise RuntimeError("eagle2: propose without begin_step (the runner's propose_draft_token_ids)")
+        step.draft = None
         cad = common_attn_metadata
         batch = cad.batch_size()
-        plan, self._step_plan = self._step_plan, None
-        if plan is None:
-            raise RuntimeError("eagle2: propose without begin_step (the runner's propose_draft_token_ids)")
+        last_hidden, hidden, sample_idx, root_pos = self._catch_up(
+            choice,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            cad,
+            num_rejected_tokens_gpu,
+        )
+        if not choice.head and choice.chains is None:
+            return self._send_none(choice, batch)
+        if not choice.head:
+            tree = lookup_chain_tree(choice.chains, num_speculative_tokens)
+            return self._send(
+                tree, root_pos + 1 + tree.num_nodes <= self.max_model_len, choice, num_speculative_tokens
+            )
+        expander = TreeExpander(
+            self,
+            cad,
+            root_pos,
+            hidden[sample_idx],
+            region_capacity=self.settings.draft_kv_slots,
+            max_model_len=self.max_model_len,
+            on_level=None if self.budget is None else self.budget.level_started,
+        )
+        tree = build_dynamic_tree(
+            self.vocab.logits(last_hidden[sample_idx]),
+            expander,
+            depth=choice.plan.depth,
+            topk=choice.plan.topk,
+            num_nodes=choice.plan.num_nodes,
+            mode=self.settings.tree,
+            token_ids=self.vocab.token_ids,
+            lookup=choice.chains,
+        )
+        return self._send(tree, expander.fits, choice, num_speculative_tokens)
+
+    def _catch_up(
+        self,
+        choice: DraftChoice,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: Any,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The waiting rows, then the head's first pass over the tokens the target just accepted
+        (vLLM's own EAGLE first pass). Returns the head's last hidden states and hidden states
+        [T, H], the rows of the roots [B] and the roots' positions [B] int64."""
+        batch = cad.batch_size()
         self._run_waiting_catch_up(cad, self.runner.input_batch.num_computed_tokens_cpu[:batch])
-        catch_up_only = num_speculative_tokens == 0 or not plan.drafts
-        if budget is not None and not catch_up_only:
-            budget.level_started(batch)  # the root level, its catch-up pass included
+        if self.budget is not None and choice.head:
+            self.budget.level_started(batch)  # the root level, its catch-up pass included
         if self.method == "eagle3":
             target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
@@ -253,96 +304,39 @@ class Eagle2Proposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
         last_hidden, hidden = self._run_head(cad, num_tokens, first_pass=True)
-        chains, buckets = None, torch.full((batch,), -1, dtype=torch.long, device=last_hidden.device)
-        if self._step_chains is not None and num_speculative_tokens > 0:
-            chains, buckets = self._step_chains
-        if catch_up_only and chains is None:
-            self.proposed = None
-            if budget is not None:
-                budget.count_step(plan, [0] * batch)
-            return [[] for _ in range(batch)]
-        # Confident chains may leave the head's levels unrun: the budget weighs them alone against
-        # the plan beside them (a batch-wide choice, as a level runs for the whole batch).
-        head_skipped = False
-        if not catch_up_only and chains is not None and budget is not None and self.head_skip:
-            head_skipped = budget.chains_alone_pay(plan, self.lookup.outlook(num_speculative_tokens))
-            if head_skipped:
-                budget.drafting_done(timed=False)  # the root level's mark: only the catch-up ran
-
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
-        if catch_up_only or head_skipped:
-            tree = lookup_chain_tree(chains, num_speculative_tokens)
-            fits = root_pos + 1 + tree.num_nodes <= self.max_model_len
-        else:
-            root_logits = self.vocab.logits(last_hidden[sample_idx])
-            expander = TreeExpander(self, cad, root_pos, hidden[sample_idx])
-            tree = build_dynamic_tree(
-                root_logits,
-                expander,
-                depth=plan.depth,
-                topk=plan.topk,
-                num_nodes=plan.num_nodes,
-                mode=self.settings.tree,
-                token_ids=self.vocab.token_ids,
-                lookup=chains,
-            )
-            fits = expander.fits
-        return self._send(tree, fits, plan, buckets, head_skipped, num_speculative_tokens)
+        return last_hidden, hidden, sample_idx, root_pos
 
-    def _send(
-        self,
-        tree: Any,
-        fits: torch.Tensor,
-        plan: DraftPlan,
-        buckets: torch.Tensor,
-        head_skipped: bool,
-        limit: int,
-    ) -> list[list[int]]:
-        """The drafts of ``tree`` (a :class:`~vllm_eagle2.tree.DraftTree`) this step sends, at most
-        ``limit`` per request, cut to the budget's counts; the tree is kept for the verifier.
+    def _send_none(self, choice: DraftChoice, batch: int) -> list[list[int]]:
+        """A step that sends no drafts."""
+        self.proposed = None
+        if self.budget is not None:
+            self.budget.count_step(choice.plan, [0] * batch)
+        return [[] for _ in range(batch)]
 
-        fits: [B] bool, the request's tree fits its context; buckets: [B] int64, lookup buckets."""
-        budget, batch = self.budget, len(fits)
-        req_ids = list(self.runner.input_batch.req_ids[:batch]) if self.runner is not None else []
-        tokens = tree.tokens
-        grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
-
-        # Drafts only where the whole tree fits in max_model_len and the sampler is reproducible,
-        # and never a node without a token (a row without a chain, in a step of chains alone).
-        n_out = min(limit, tree.num_nodes)
-        eligible = self.eligible.rows(self.runner.requests, req_ids) if req_ids else [True] * batch
-        allowed = (fits & to_device(eligible, fits.device)).unsqueeze(1) & (tokens[:, :n_out] >= 0)
-        if budget is None:
-            counts = torch.cummin(allowed.to(torch.int8), dim=1).values.sum(dim=1)
-        else:
-            budget.drafting_done()
-            counts = budget.allocate(
-                NO_DRAFTS if head_skipped else plan,
-                tree.scores[:, :n_out],
-                tree.depths[:, :n_out],
-                allowed,
-                grafted[:, :n_out],
-            )
-            budget.acceptance.copy_to_host()
-        sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
-        off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
-        # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.
-        host = torch.cat([tokens[:, :n_out], counts.unsqueeze(1), off_chain.long()], dim=1).cpu().numpy()
-        self.proposed = ProposedTrees(
-            req_ids=req_ids,
-            tokens=tokens,
-            parents=tree.parents,
-            ranks=tree.ranks,
-            scores=tree.scores,
-            grafted=grafted,
-            lookup_buckets=buckets,
-            off_chain=host[:, n_out + 1 :].astype(bool),
-        )
-        drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]
-        if budget is not None:
-            budget.after_sync()
-            budget.count_step(plan, [len(d) for d in drafts], head_skipped)
+    def _send(self, tree: DraftTree, fits: torch.Tensor, choice: DraftChoice, limit: int) -> list[list[int]]:
+        """The drafts of ``tree`` this step sends (:func:`~.sending.send_drafts`); the tree is kept
+        for the verifier. fits: [B] bool, the request's tree fits its context."""
+        batch = len(fits)
+        req_ids = list(self.runner.input_batch.req_ids[:batch])
+        eligible = self.eligible.rows(self.runner.requests, req_ids)
+        drafts, self.proposed = send_drafts(tree, fits, eligible, req_ids, choice, limit, self.budget)
         return drafts
+
+    def run_level(
+        self, tokens: torch.Tensor, positions: torch.Tensor, parent_hidden: torch.Tensor, cad: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft level's head pass (:class:`~vllm_eagle2.engine.expansion.HeadRunner`)."""
+        rows = tokens.shape[0]
+        # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
+        # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
+        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
+        # and its CUDA graphs read them.
+        self.input_ids[:rows] = self.vocab.token_ids(tokens)
+        self.positions[:rows] = positions
+        self.hidden_states[:rows] = parent_hidden
+        last_hidden, hidden = self._run_head(cad, rows, first_pass=False)
+        return self.vocab.logits(last_hidden), hidden
 
     def _run_head(self, cad: Any, num_tokens: int, *, first_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over ``num_tokens`` rows with ``cad``'s attention metadata; returns

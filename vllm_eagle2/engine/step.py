@@ -36,9 +36,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm_eagle2.budget.decisions import DraftPlan
+from vllm_eagle2.graft import LookupChains
+
 if TYPE_CHECKING:
     from vllm_eagle2.engine.attention import TreeForward
-    from vllm_eagle2.engine.verification import VerifyStep
 
 
 @dataclass
@@ -52,12 +54,33 @@ class Eagle2Step:
         [T, H] each, that the drafter's catch-up pass reads; the verifier reorders their rows
         like the accepted tokens.
     drafted: the drafter ran this step (else vLLM's drafts are zero-filled, and none are sent).
+    draft: what the drafter chose to draft, from ``begin_step`` to ``propose``.
     """
 
     forward: TreeForward | None = None
     verify: VerifyStep | None = None
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     drafted: bool = False
+    draft: DraftChoice | None = None
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A step's one drafting choice, made before the drafter runs: none (``head`` False, no
+    ``chains``), lookup chains alone (``head`` False), the head's tree (no ``chains``), or the
+    head's tree with the chains grafted in.
+
+    plan: the budget's draft shape, fitted to the head's rows; head: the head drafts a tree (else it
+    runs its catch-up pass at most); chains: the requests' lookup chains, or None; buckets: [B]
+    int64 their match-length buckets (-1 = no chain); head_skipped: the plan has head levels, but
+    confident chains go alone (the allocation then prices no levels).
+    """
+
+    plan: DraftPlan
+    head: bool
+    chains: LookupChains | None
+    buckets: torch.Tensor
+    head_skipped: bool = False
 
 
 @dataclass
@@ -78,6 +101,56 @@ class ProposedTrees:
     req_ids: list[str]
     tokens: torch.Tensor
     parents: torch.Tensor
+    ranks: torch.Tensor
+    scores: torch.Tensor
+    grafted: torch.Tensor
+    lookup_buckets: torch.Tensor
+    off_chain: np.ndarray
+
+
+@dataclass
+class VerifyStep:
+    """The trees of this step's verification, B = requests in the batch.
+
+    tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
+    num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
+    depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
+        0 past the drafts); trees: the drafter's record of them.
+    kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
+        on its tree's leading chain, whose K/V is already where an accepted path needs it).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_drafts: torch.Tensor
+    row_start: torch.Tensor
+    depths: torch.Tensor
+    trees: MatchedTrees
+    kept_row: torch.Tensor | None = None
+
+    @property
+    def branched(self) -> bool:
+        """Whether any tree branches (host). Without, every accepted path is a prefix of its
+        drafts, already in place: nothing is moved."""
+        return bool(self.trees.off_chain.any())
+
+
+@dataclass
+class MatchedTrees:
+    """The drafter's trees matched to this step's drafts, B = requests, N = draft width.
+
+    parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
+    known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
+    ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
+    grafted: [B, N] bool, known drafts that came from a lookup chain; lookup_buckets: [B] int64,
+        their chain's match-length bucket (-1 = none).
+    off_chain: [B, N] bool on the host, the drafts off their stored tree's leading chain (all
+        False where no tree is stored; drafts whose tokens do not match their tree are verified
+        as a chain, for which a tree mask is exact too).
+    """
+
+    parents: torch.Tensor
+    known: torch.Tensor
     ranks: torch.Tensor
     scores: torch.Tensor
     grafted: torch.Tensor

@@ -27,36 +27,9 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2.device import cuda_path, to_device
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.step import Eagle2Step
+from vllm_eagle2.engine.step import Eagle2Step, MatchedTrees, VerifyStep
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify.verifier import verify_tree
-
-
-@dataclass
-class VerifyStep:
-    """The trees of this step's verification, B = requests in the batch.
-
-    tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
-    num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
-    depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
-        0 past the drafts); trees: the drafter's record of them.
-    kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
-        on its tree's leading chain, whose K/V is already where an accepted path needs it).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    num_drafts: torch.Tensor
-    row_start: torch.Tensor
-    depths: torch.Tensor
-    trees: MatchedTrees
-    kept_row: torch.Tensor | None = None
-
-    @property
-    def branched(self) -> bool:
-        """Whether any tree branches (host). Without, every accepted path is a prefix of its
-        drafts, already in place: nothing is moved."""
-        return bool(self.trees.off_chain.any())
 
 
 def _padded_drafts(
@@ -91,33 +64,10 @@ def _verify_width(runner: Any, counts: list[int]) -> int:
     draws then depend on the batch, as its drafts already do under a timed budget; it stays
     lossless.
     """
-    if getattr(runner.drafter, "budget", None) is None:
+    if runner.drafter.budget is None:
         return runner.num_spec_tokens
     top = max(max(counts, default=1), 1)
     return min(1 << (top - 1).bit_length(), max(runner.num_spec_tokens, top))
-
-
-@dataclass
-class MatchedTrees:
-    """The drafter's trees matched to this step's drafts, B = requests, N = draft width.
-
-    parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
-    known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
-    ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
-    grafted: [B, N] bool, known drafts that came from a lookup chain; lookup_buckets: [B] int64,
-        their chain's match-length bucket (-1 = none).
-    off_chain: [B, N] bool on the host, the drafts off their stored tree's leading chain (all
-        False where no tree is stored; drafts whose tokens do not match their tree are verified
-        as a chain, for which a tree mask is exact too).
-    """
-
-    parents: torch.Tensor
-    known: torch.Tensor
-    ranks: torch.Tensor
-    scores: torch.Tensor
-    grafted: torch.Tensor
-    lookup_buckets: torch.Tensor
-    off_chain: np.ndarray
 
 
 def _matched_trees(
@@ -128,7 +78,7 @@ def _matched_trees(
     device = tokens.device
     col = torch.arange(width, device=device)
     chain = (col - 1).expand(batch, width)
-    store = getattr(drafter, "proposed", None)
+    store = drafter.proposed
     off_chain = np.zeros((batch, width), dtype=bool)
     if store is None or not req_ids:
         zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -207,9 +157,25 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
         trees=trees,
     )
     spec = np.flatnonzero(trees.off_chain.any(axis=1))  # the requests whose trees branch
-    if spec.size == 0:
-        return
+    if spec.size:
+        _publish_tree_masks(runner, forward, verify, valid, spec, row_start_host)
 
+
+def _publish_tree_masks(
+    runner: Any,
+    forward: Any,
+    verify: VerifyStep,
+    valid: torch.Tensor,
+    spec: np.ndarray,
+    row_start: np.ndarray,
+) -> None:
+    """Give the tree nodes of the branching requests ``spec`` ([S] host rows) their RoPE positions,
+    and publish the masks of their drafts off the leading chain into ``forward`` (the step's
+    ``tree_batch`` scope). valid: [B, N] bool, the scheduled drafts; row_start: [B] host, each
+    request's root row."""
+    trees, n = verify.trees, verify.num_drafts
+    batch, width = valid.shape
+    device = valid.device
     # The region of each request is [root, nodes...]: root = region index 0.
     region_parents = torch.cat(
         [
@@ -219,10 +185,10 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
         dim=1,
     )
     masks = build_tree_masks(region_parents, check_values=False)  # valid by construction
-    root_pos = runner.positions[row_start]
+    root_pos = runner.positions[verify.row_start]
     # RoPE position of node i is root + depth; its row and KV slot stay root + 1 + i. Written as a
     # delta (0 off the trees): padding entries may alias other requests' rows and must write nothing.
-    node_rows = (row_start.unsqueeze(1) + 1 + torch.arange(width, device=device)).clamp(
+    node_rows = (verify.row_start.unsqueeze(1) + 1 + torch.arange(width, device=device)).clamp(
         max=runner.positions.shape[0] - 1
     )
     want = root_pos.unsqueeze(1) + masks.depths[:, 1:] - 1
@@ -239,7 +205,7 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
     qsl = np.zeros(spec.size + 1, dtype=np.int64)
     qsl[1:] = np.cumsum(q)
     region = 1 + np.argsort(~need, axis=1, kind="stable")[:, : int(q.max())]
-    rows = (row_start_host[spec, None] + region)[np.arange(region.shape[1]) < q[:, None]]
+    rows = (row_start[spec, None] + region)[np.arange(region.shape[1]) < q[:, None]]
     spec_t = to_device(spec, device)
     words = masks.packed.shape[-1]
     region_t = to_device(region, device)
@@ -313,12 +279,11 @@ def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta:
     if verify.branched:
         _move_accepted_path(runner, step, accepted, num_accepted)
     trees = verify.trees
-    budget = getattr(runner.drafter, "budget", None)
+    budget, lookup = runner.drafter.budget, runner.drafter.lookup
     if budget is not None:  # the head's calibration: its own nodes only
         budget.acceptance.record(
             verify.parents, verify.depths, trees.ranks, trees.scores, trees.known & ~trees.grafted, accepted
         )
-    lookup = getattr(runner.drafter, "lookup", None)
     if lookup is not None:
         lookup.record(trees.grafted, trees.lookup_buckets, verify.parents, verify.depths, accepted)
     return SamplerOutput(sampled_token_ids=out_tokens.to(torch.int32), logprobs_tensors=logprobs)

@@ -103,9 +103,10 @@ def patch_runner_forward() -> None:
 
     def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if _is_eagle2(self):  # the target pass ends here
+            if self._eagle2_step is None:  # (a step opened elsewhere than execute_model: no tree state)
+                self._eagle2_step = Eagle2Step()
             step = self._eagle2_step
-            if step is not None:
-                step.drafted = True
+            step.drafted = True
             cad = propose_signature.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             cad = cad.arguments.get("common_attn_metadata")
             limit = scheduler_output.num_spec_tokens_to_schedule

@@ -9,6 +9,6 @@
 """
 
 from vllm_eagle2.verify.paths import VerifyResult
-from vllm_eagle2.verify.verifier import verify_greedy, verify_tree
+from vllm_eagle2.verify.verifier import verify_tree
 
-__all__ = ["VerifyResult", "verify_greedy", "verify_tree"]
+__all__ = ["VerifyResult", "verify_tree"]

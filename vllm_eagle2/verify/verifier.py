@@ -56,7 +56,6 @@ __all__ = [
     "VerifyResult",
     "apply_top_k_top_p",
     "target_probs",
-    "verify_greedy",
     "verify_tree",
 ]
 
@@ -192,24 +191,6 @@ def _uniforms(
     for row, gen in (generators or {}).items():  # Python loop over the seeded rows only
         u[row] = torch.rand(n + 2, device=device, generator=gen)
     return u
-
-
-def verify_greedy(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    target_logits: torch.Tensor,
-) -> VerifyResult:
-    """Greedy verification: longest path matching the target's argmax, plus the bonus token.
-
-    Args:
-        tokens: [B, N] int64 drafted tokens (< 0 = padding).
-        parents: [B, N] int64, -1 = child of root, else index of the parent (< own index).
-        target_logits: [B, N + 1, V] target logits (or probabilities) at root and nodes.
-
-    Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
-    """
-    check_tree(tokens, parents, target_logits, "target_logits")
-    return _verify(tokens, parents, logits=target_logits)
 
 
 def verify_tree(
