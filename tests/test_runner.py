@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_eagle2.engine import attention, verification
-from vllm_eagle2.engine.step import Eagle2Step
+from vllm_eagle2.engine.step_state import Eagle2Step
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.tree import off_leading_chain
 

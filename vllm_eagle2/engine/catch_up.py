@@ -147,7 +147,7 @@ class DeferredCatchUp:
 def rows_may_wait(step: Any, batch: int, sampled: Any, discarded: np.ndarray) -> bool:
     """Whether a step's catch-up rows may wait: it verified no drafts and discards no sample
     (``discarded``: [B] bool host, a partial prefill's), ``sampled`` is a [B, 1] tensor, and the
-    target's hidden-state rows (:class:`~.step.Eagle2Step`) are at hand."""
+    target's hidden-state rows (:class:`~.step_state.Eagle2Step`) are at hand."""
     if step is None or step.verify is not None or batch == 0 or not step.hidden_states:
         return False
     if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1:

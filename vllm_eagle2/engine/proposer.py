@@ -2,25 +2,22 @@
 
 One step of drafting, for every request of the batch at once, in phases:
 
-0. choose (:meth:`Eagle2Proposer.begin_step`, before vLLM prepares the drafter's inputs): the
-   budget plans the step's shape (:class:`~vllm_eagle2.budget.adaptive.AdaptiveBudget`: depth and
-   topk, or no drafts, from the batch size and the measured costs) and the lookup chains are
-   found; one :class:`~.step.DraftChoice` follows: none, chains alone, the head's tree, or the
-   head's tree with the chains grafted in. A step without head levels may end there, its catch-up
-   rows waiting (:mod:`.catch_up`).
-1. catch-up (:meth:`Eagle2Proposer.propose`): the head runs over the tokens the target just
-   accepted, pairing target hidden state i with token i + 1 (vLLM's own EAGLE first pass). Its
-   output at the last accepted position gives the root's children (level 1).
-2. expansion: ``depth - 1`` passes of the head over the ``topk`` frontier nodes of every request
-   (:func:`vllm_eagle2.tree.build_dynamic_tree` chooses them; :mod:`.expansion` runs them on the
-   paged KV cache), then the best nodes of the pool, best first.
-3. send (:mod:`.sending`): each tree cut to its share of one budget for the batch (any prefix of a
-   best-first tree is a tree); the trees are kept in :class:`~.step.ProposedTrees` for the verifier
-   of the next step.
+0. choose (:meth:`Eagle2Proposer.begin_step`): the budget's plan (depth and topk, or no drafts)
+   and the lookup chains make one :class:`~.step_state.DraftChoice`: none, chains alone, the head's
+   tree, or the head's tree with the chains grafted in. Without head levels the step may end
+   there, its catch-up rows waiting (:mod:`.catch_up`).
+1. catch-up (:meth:`Eagle2Proposer.propose`): the head's first pass over the tokens the target
+   just accepted (vLLM's own); its output at the last one gives the root's children.
+2. expansion: ``depth - 1`` head passes over each request's frontier
+   (:func:`vllm_eagle2.tree.build_dynamic_tree`, :mod:`.expansion`), then the best nodes of the pool.
+3. send (:mod:`.sending`): each tree cut to its share of the batch's budget; the trees are kept in
+   :class:`~.step_state.ProposedTrees` for the next step's verifier.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,7 +37,7 @@ from vllm_eagle2.engine.head_vocab import HeadVocabulary
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
 from vllm_eagle2.engine.ranks import rank_agreement
 from vllm_eagle2.engine.sending import send_drafts
-from vllm_eagle2.engine.step import DraftChoice, Eagle2Step, ProposedTrees
+from vllm_eagle2.engine.step_state import DraftChoice, Eagle2Step, ProposedTrees
 from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.tree import DraftTree, build_dynamic_tree, lookup_chain_tree
@@ -68,7 +65,7 @@ class Eagle2Proposer(EagleProposer):
             # vLLM's EAGLE-3 paths: the runner collects the auxiliary hidden states, propose combines them.
             self.method = "eagle3"
             self.eagle3_use_aux_hidden_state = self._get_eagle3_use_aux_hidden_state_from_config()
-        self._calibrating = False
+        self._target_alone = False  # see target_alone
         self.budget: AdaptiveBudget | None = None
         s = self.settings
         if s.budget == "adaptive":
@@ -108,9 +105,18 @@ class Eagle2Proposer(EagleProposer):
         self.target_attn_layer_names = set(attn_layers) - set(self._draft_attn_layer_names)
         self.vocab = HeadVocabulary(self.model, self.settings)
 
+    @contextmanager
+    def target_alone(self) -> Iterator[None]:
+        """Within: vLLM's dummy runs leave the head out (the budget's calibration times the target)."""
+        self._target_alone = True
+        try:
+            yield
+        finally:
+            self._target_alone = False
+
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> None:
-        if self._calibrating:
-            return  # the budget's calibration times the target alone
+        if self._target_alone:
+            return
         # Profiling runs one pass per draft level, not one per verified node.
         saved = self.num_speculative_tokens
         self.num_speculative_tokens = min(saved, self.settings.depth)
@@ -155,7 +161,7 @@ class Eagle2Proposer(EagleProposer):
 
     def _choose(self, batch: int, sampled: Any, limit: int) -> DraftChoice:
         """The step's one drafting choice: none, lookup chains alone, the head's tree, or the head's
-        tree with chains grafted in (:class:`~.step.DraftChoice`)."""
+        tree with chains grafted in (:class:`~.step_state.DraftChoice`)."""
         copy = self.lookup.copy_sampled(sampled) if self.lookup is not None else None
         budget = self.budget
         if budget is None:

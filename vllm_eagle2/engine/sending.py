@@ -7,7 +7,7 @@ import torch
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
 from vllm_eagle2.budget.decisions import NO_DRAFTS
 from vllm_eagle2.device import to_device
-from vllm_eagle2.engine.step import DraftChoice, ProposedTrees
+from vllm_eagle2.engine.step_state import DraftChoice, ProposedTrees
 from vllm_eagle2.tree import DraftTree, off_leading_chain
 
 

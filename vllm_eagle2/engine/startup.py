@@ -75,11 +75,8 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: Any) -> None:
         return time.perf_counter() - start
 
     def time_target(tokens: int) -> float:
-        proposer._calibrating = True
-        try:
+        with proposer.target_alone():
             return timed(lambda: runner._dummy_run(min(tokens, limit), skip_eplb=True))
-        finally:
-            proposer._calibrating = False
 
     def time_level(rows: int) -> float:
         rows = min(rows, limit)

@@ -1,158 +1,81 @@
-"""One eagle2 step inside vLLM's model runner, and the one object that carries it.
+"""One eagle2 step inside vLLM's model runner, in the order it runs; its state is :class:`Eagle2Step`.
 
-vLLM 0.32 runs a step in two calls of the model runner, ``execute_model`` (inputs, target
-forward) and ``sample_tokens`` (sampling, then drafting for the next step). With eagle2 a step
-goes (hooks in :mod:`vllm_eagle2.patches.model_runner`, work in this package):
-
-1. ``execute_model`` opens the step: ``runner._eagle2_step = Eagle2Step()``, and the target
-   forward's tree attention scope (:func:`.attention.tree_batch`) as ``step.forward``.
-2. ``_prepare_inputs``: the budget starts its step timer; a step without drafts gets plain
-   decoding's inputs; :func:`.verification.prepare_tree_verification` matches the scheduled
-   drafts to the trees the drafter proposed last step (``drafter.proposed``), gives every node
-   its RoPE position and publishes the tree masks into ``step.forward`` (``step.verify``).
-3. The target forward: each attention layer (:mod:`.attention`) recomputes the tree rows with
-   their masks and keeps a copy of their fresh K/V (``step.forward.kept_kv``).
-4. ``sample_tokens`` records the hidden-state rows the drafter's catch-up pass will read
-   (``step.hidden_states``); vLLM's ``_sample`` becomes
-   :func:`.verification.sample_with_trees`: verify every tree (:mod:`vllm_eagle2.verify`), move
-   the accepted nodes' K/V and rows into chain order, record acceptance for the budget.
-5. ``propose_draft_token_ids`` lets the budget plan the next step
-   (:meth:`.proposer.Eagle2Proposer.begin_step`). A plan without head drafts ends there: the
-   step's catch-up rows wait (:mod:`.catch_up`) and its drafts are none or lookup chains alone.
-   Else vLLM calls the drafter's ``propose``: the waiting rows and the catch-up pass, the
-   expansion levels (:mod:`.expansion`), the best m nodes per request, kept in
-   ``drafter.proposed`` for the next step's step 2.
-6. ``sample_tokens`` returns with the drafts and closes the step (``runner._eagle2_step = None``).
-
-Everything that lives for one step is on the :class:`Eagle2Step`; what outlives it is the
-drafter's (``proposed`` trees, the catch-up rows waiting, the budget's measurements, counters).
+vLLM 0.32 runs a step in two calls of the model runner, ``execute_model`` (inputs, target forward)
+and ``sample_tokens`` (sampling, then the drafter). Each hook of
+:mod:`vllm_eagle2.patches.model_runner` calls one function below, and each takes the step's state
+explicitly. What outlives a step is the drafter's: the trees it proposed (``drafter.proposed``),
+the catch-up rows waiting, the budget's prices and acceptance, the lookup chains' indexes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
-import numpy as np
-import torch
+from vllm_eagle2.engine import attention, verification
+from vllm_eagle2.engine.step_state import Eagle2Step
 
-from vllm_eagle2.budget.decisions import DraftPlan
-from vllm_eagle2.graft import LookupChains
-
-if TYPE_CHECKING:
-    from vllm_eagle2.engine.attention import TreeForward
+__all__ = ["Eagle2Step", "begin", "draft", "drafts_sent", "keep_hidden_rows", "prepare", "sample", "started"]
 
 
-@dataclass
-class Eagle2Step:
-    """The state of one eagle2 step, owned by the model runner (``runner._eagle2_step``).
-
-    forward: the target forward's tree attention: the masks the verifier publishes, the K/V
-        the layers keep (set when the ``tree_batch`` scope opens; it outlives the scope).
-    verify: the trees this step verifies; None = no drafts were scheduled.
-    hidden_states: the target's hidden-state rows (and an EAGLE-3 head's auxiliary ones),
-        [T, H] each, that the drafter's catch-up pass reads; the verifier reorders their rows
-        like the accepted tokens.
-    drafted: the drafter ran this step (else vLLM's drafts are zero-filled, and none are sent).
-    draft: what the drafter chose to draft, from ``begin_step`` to ``propose``.
-    """
-
-    forward: TreeForward | None = None
-    verify: VerifyStep | None = None
-    hidden_states: list[torch.Tensor] = field(default_factory=list)
-    drafted: bool = False
-    draft: DraftChoice | None = None
+@contextmanager
+def begin(runner: Any) -> Iterator[Eagle2Step]:
+    """1. ``execute_model``: the step opens, and with it the target forward's tree-attention scope
+    (``step.forward``: the masks :func:`prepare` publishes, the K/V the attention layers keep)."""
+    step = runner._eagle2_step = Eagle2Step()
+    with attention.tree_batch() as step.forward:
+        yield step
 
 
-@dataclass(frozen=True)
-class DraftChoice:
-    """A step's one drafting choice, made before the drafter runs: none (``head`` False, no
-    ``chains``), lookup chains alone (``head`` False), the head's tree (no ``chains``), or the
-    head's tree with the chains grafted in.
-
-    plan: the budget's draft shape, fitted to the head's rows; head: the head drafts a tree (else it
-    runs its catch-up pass at most); chains: the requests' lookup chains, or None; buckets: [B]
-    int64 their match-length buckets (-1 = no chain); head_skipped: the plan has head levels, but
-    confident chains go alone (the allocation then prices no levels).
-    """
-
-    plan: DraftPlan
-    head: bool
-    chains: LookupChains | None
-    buckets: torch.Tensor
-    head_skipped: bool = False
+def started(runner: Any, step: Eagle2Step, scheduler_output: Any) -> None:
+    """2. ``_prepare_inputs``, before vLLM's: the budget's step timer starts (prompt chunks apart:
+    their pass is not the decoding pass the plans price)."""
+    budget = runner.drafter.budget
+    if budget is not None:
+        total = scheduler_output.total_num_scheduled_tokens
+        drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        budget.step_started(total, total - len(scheduler_output.num_scheduled_tokens) - drafts)
 
 
-@dataclass
-class ProposedTrees:
-    """The trees proposed last step, for the verifier of this step.
-
-    req_ids: request ids, in the batch order of the proposing step.
-    tokens / parents / ranks: [B, N] int64, scores: [B, N] float32, grafted: [B, N] bool (see
-    :class:`vllm_eagle2.tree.DraftTree`; tokens are target token ids).
-    lookup_buckets: [B] int64, the match-length bucket of each request's lookup chain (-1 = none;
-        all -1 without lookup chains).
-    off_chain: [B, M] bool on the host, M <= N: the drafts sent that are off their tree's
-        leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
-        verification needs a tree mask. It came with the drafts' own transfer, so the verifier
-        sizes its tree attention without reading the device.
-    """
-
-    req_ids: list[str]
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    ranks: torch.Tensor
-    scores: torch.Tensor
-    grafted: torch.Tensor
-    lookup_buckets: torch.Tensor
-    off_chain: np.ndarray
+def prepare(runner: Any, step: Eagle2Step, spec_meta: Any) -> None:
+    """3. ``_prepare_inputs``, after vLLM's: the scheduled drafts matched to the trees proposed last
+    step, every node at its RoPE position, the masks published (``step.verify``; None without
+    drafts). The target forward follows: each attention layer recomputes the tree rows with their
+    masks (:mod:`.attention`)."""
+    verification.prepare_tree_verification(runner, step, spec_meta)
 
 
-@dataclass
-class VerifyStep:
-    """The trees of this step's verification, B = requests in the batch.
-
-    tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
-    num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
-    depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
-        0 past the drafts); trees: the drafter's record of them.
-    kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
-        on its tree's leading chain, whose K/V is already where an accepted path needs it).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    num_drafts: torch.Tensor
-    row_start: torch.Tensor
-    depths: torch.Tensor
-    trees: MatchedTrees
-    kept_row: torch.Tensor | None = None
-
-    @property
-    def branched(self) -> bool:
-        """Whether any tree branches (host). Without, every accepted path is a prefix of its
-        drafts, already in place: nothing is moved."""
-        return bool(self.trees.off_chain.any())
+def keep_hidden_rows(runner: Any, step: Eagle2Step) -> None:
+    """4. ``sample_tokens`` opens: the target's hidden-state rows (an EAGLE-3 head's auxiliary ones
+    too) that the drafter's catch-up pass reads, and that verification reorders
+    (``step.hidden_states``)."""
+    state = getattr(runner, "execute_model_state", None)  # None where execute_model returned early
+    rows = [getattr(state, "hidden_states", None), *(getattr(state, "aux_hidden_states", None) or [])]
+    step.hidden_states = [h for h in rows if h is not None]
 
 
-@dataclass
-class MatchedTrees:
-    """The drafter's trees matched to this step's drafts, B = requests, N = draft width.
+def sample(runner: Any, step: Eagle2Step, logits: Any, spec_meta: Any) -> Any:
+    """5. ``_sample``: every tree verified (:mod:`vllm_eagle2.verify`), the accepted nodes' K/V and
+    rows moved into chain order, acceptance recorded; vLLM's ``SamplerOutput``."""
+    return verification.sample_with_trees(runner, step, logits, spec_meta)
 
-    parents: [B, N] int64, the stored tree's, or a chain where none matches (-1 past the drafts).
-    known: [B, N] bool, drafts whose stored tree matched (their ranks and scores are real).
-    ranks: [B, N] int64 and scores: [B, N] float32 (see :class:`vllm_eagle2.tree.DraftTree`).
-    grafted: [B, N] bool, known drafts that came from a lookup chain; lookup_buckets: [B] int64,
-        their chain's match-length bucket (-1 = none).
-    off_chain: [B, N] bool on the host, the drafts off their stored tree's leading chain (all
-        False where no tree is stored; drafts whose tokens do not match their tree are verified
-        as a chain, for which a tree mask is exact too).
-    """
 
-    parents: torch.Tensor
-    known: torch.Tensor
-    ranks: torch.Tensor
-    scores: torch.Tensor
-    grafted: torch.Tensor
-    lookup_buckets: torch.Tensor
-    off_chain: np.ndarray
+def draft(runner: Any, step: Eagle2Step, sampled: Any, cad: Any, limit: int) -> list[list[int]] | None:
+    """6. ``propose_draft_token_ids``: the drafter chooses the next step's drafting
+    (:meth:`~.proposer.Eagle2Proposer.begin_step`: ``step.draft``). Without head levels the step may
+    end here, its catch-up rows waiting (the drafts returned: none, or lookup chains). Else None,
+    and vLLM calls the drafter's ``propose``: the catch-up pass, the tree, the drafts sent; the trees
+    stay with the drafter for the next step's :func:`prepare`."""
+    step.drafted = True
+    return runner.drafter.begin_step(runner.input_batch.num_reqs, sampled, step, cad, limit)
+
+
+def drafts_sent(runner: Any, step: Eagle2Step, drafts: Any) -> Any:
+    """7. ``sample_tokens`` returns (and the step closes): its drafts go with its output (vLLM's
+    ``DraftTokenIds``). Where the drafter did not run (vLLM zero-filled its drafts), none are sent
+    and no trees are kept."""
+    if step.drafted or drafts is None:
+        return drafts
+    runner.drafter.proposed = None
+    return type(drafts)(drafts.req_ids, [[] for _ in drafts.req_ids])

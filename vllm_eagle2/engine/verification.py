@@ -4,7 +4,7 @@ it sits in a step: :mod:`vllm_eagle2.engine.step`).
 Per step, for the requests that carry drafts:
 
 * :func:`prepare_tree_verification` (after ``_prepare_inputs``): recover each request's
-  tree from the drafter's :class:`~vllm_eagle2.engine.step.ProposedTrees` (drafts without a
+  tree from the drafter's :class:`~vllm_eagle2.engine.step_state.ProposedTrees` (drafts without a
   matching tree, e.g. scheduler padding, are verified as a chain), give every node the
   RoPE position ``root + depth`` (its KV slot stays ``root + 1 + index``), and publish
   the per-request ancestor masks for the target forward into the step's ``tree_batch`` scope
@@ -27,7 +27,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2.device import cuda_path, to_device
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.step import Eagle2Step, MatchedTrees, VerifyStep
+from vllm_eagle2.engine.step_state import Eagle2Step, MatchedTrees, VerifyStep
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify.verifier import verify_tree
 

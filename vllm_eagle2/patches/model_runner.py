@@ -60,19 +60,17 @@ def patch_runner_forward() -> None:
     step before vLLM prepares the drafter's inputs."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_eagle2.engine import attention, verification
-    from vllm_eagle2.engine.step import Eagle2Step
+    from vllm_eagle2.engine import step as eagle2_step
 
     execute_model = GPUModelRunner.execute_model
 
     def _execute_model(self, *args, **kwargs):
         if not _is_eagle2(self):
             return execute_model(self, *args, **kwargs)
-        # The step opens here (engine/step.py). _prepare_inputs publishes the tree batch into the
-        # forward's scope, the target's attention layers read it, and it is gone when the forward
-        # returns; what sampling needs (the kept K/V) stays on the step.
-        step = self._eagle2_step = Eagle2Step()
-        with attention.tree_batch() as step.forward:
+        # The step opens here. _prepare_inputs publishes the tree batch into the forward's scope,
+        # the target's attention layers read it, and it is gone when the forward returns; what
+        # sampling needs (the kept K/V) stays on the step.
+        with eagle2_step.begin(self):
             return execute_model(self, *args, **kwargs)
 
     prepare_inputs = GPUModelRunner._prepare_inputs
@@ -80,11 +78,7 @@ def patch_runner_forward() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         if not _is_eagle2(self):
             return prepare_inputs(self, scheduler_output, *args, **kwargs)
-        if self.drafter.budget is not None:
-            total = scheduler_output.total_num_scheduled_tokens
-            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-            prompt = total - len(scheduler_output.num_scheduled_tokens) - drafts
-            self.drafter.budget.step_started(total, prompt)
+        eagle2_step.started(self, self._eagle2_step, scheduler_output)
         if scheduler_output.scheduled_spec_decode_tokens:
             out = prepare_inputs(self, scheduler_output, *args, **kwargs)
         else:
@@ -95,7 +89,7 @@ def patch_runner_forward() -> None:
                 out = prepare_inputs(self, scheduler_output, *args, **kwargs)
             finally:
                 self.speculative_config = spec
-        verification.prepare_tree_verification(self, self._eagle2_step, out[1])
+        eagle2_step.prepare(self, self._eagle2_step, out[1])
         return out
 
     propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
@@ -104,13 +98,11 @@ def patch_runner_forward() -> None:
     def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if _is_eagle2(self):  # the target pass ends here
             if self._eagle2_step is None:  # (a step opened elsewhere than execute_model: no tree state)
-                self._eagle2_step = Eagle2Step()
-            step = self._eagle2_step
-            step.drafted = True
+                self._eagle2_step = eagle2_step.Eagle2Step()
             cad = propose_signature.bind(self, scheduler_output, sampled_token_ids, *args, **kwargs)
             cad = cad.arguments.get("common_attn_metadata")
             limit = scheduler_output.num_spec_tokens_to_schedule
-            waited = self.drafter.begin_step(self.input_batch.num_reqs, sampled_token_ids, step, cad, limit)
+            waited = eagle2_step.draft(self, self._eagle2_step, sampled_token_ids, cad, limit)
             if waited is not None:  # no head drafts, the head's catch-up waits: vLLM's drafter is skipped
                 return waited
         return propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -138,10 +130,10 @@ def patch_runner_sampling() -> None:
     rewind; ``sample_tokens`` hands the drafter the rows it reads and returns the step's drafts
     with its output (:mod:`.scheduling`); ``_dummy_sampler_run`` (vLLM's memory profile) also runs
     the tree verifier at its widest (:func:`vllm_eagle2.engine.startup.profile_verification`)."""
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_eagle2.engine import verification
+    from vllm_eagle2.engine import step as eagle2_step
 
     sample = GPUModelRunner._sample
 
@@ -151,7 +143,7 @@ def patch_runner_sampling() -> None:
         try:
             step = getattr(self, "_eagle2_step", None)
             if spec_decode_metadata is not None and step is not None and step.verify is not None:
-                return verification.sample_with_trees(self, step, logits, spec_decode_metadata)
+                return eagle2_step.sample(self, step, logits, spec_decode_metadata)
             return sample(self, logits, spec_decode_metadata)
         finally:
             # A discarded (partial-prefill) sample must not advance the request's generator.
@@ -177,10 +169,7 @@ def patch_runner_sampling() -> None:
             return sample_tokens(self, *args, **kwargs)
         step = self._eagle2_step
         if step is not None:
-            execute_state = getattr(self, "execute_model_state", None)
-            hidden = getattr(execute_state, "hidden_states", None)
-            rows = [hidden, *(getattr(execute_state, "aux_hidden_states", None) or [])]
-            step.hidden_states = [h for h in rows if h is not None]
+            eagle2_step.keep_hidden_rows(self, step)
         try:
             out = sample_tokens(self, *args, **kwargs)
         finally:
@@ -188,10 +177,8 @@ def patch_runner_sampling() -> None:
         if not self.use_async_scheduling and isinstance(out, ModelRunnerOutput):
             out = copy.copy(out)  # never tag a shared instance (vLLM's EMPTY_MODEL_RUNNER_OUTPUT)
             drafts = self.take_draft_token_ids()
-            if step is not None and not step.drafted and drafts is not None:
-                # The drafter did not run (vLLM zero-filled its drafts): nothing to verify.
-                self.drafter.proposed = None
-                drafts = DraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids])
+            if step is not None:
+                drafts = eagle2_step.drafts_sent(self, step, drafts)
             setattr(out, DRAFTS_ATTR, drafts)
         return out
 
