@@ -11,16 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from vllm_eagle2.engine import attention, verification
 from vllm_eagle2.engine.step_state import Eagle2Step
+
+if TYPE_CHECKING:  # vLLM 0.32's own types, as its model runner passes them
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import DraftTokenIds, SamplerOutput
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 __all__ = ["Eagle2Step", "begin", "draft", "drafts_sent", "keep_hidden_rows", "prepare", "sample", "started"]
 
 
 @contextmanager
-def begin(runner: Any) -> Iterator[Eagle2Step]:
+def begin(runner: GPUModelRunner) -> Iterator[Eagle2Step]:
     """1. ``execute_model``: the step opens, and with it the target forward's tree-attention scope
     (``step.forward``: the masks :func:`prepare` publishes, the K/V the attention layers keep)."""
     step = runner._eagle2_step = Eagle2Step()
@@ -28,9 +37,10 @@ def begin(runner: Any) -> Iterator[Eagle2Step]:
         yield step
 
 
-def started(runner: Any, step: Eagle2Step, scheduler_output: Any) -> None:
+def started(runner: GPUModelRunner, scheduler_output: SchedulerOutput) -> None:
     """2. ``_prepare_inputs``, before vLLM's: the budget's step timer starts (prompt chunks apart:
-    their pass is not the decoding pass the plans price)."""
+    their pass is not the decoding pass the plans price). The timings are the budget's
+    (:class:`~vllm_eagle2.budget.adaptive.StepTimes`), which learns from them at the next start."""
     budget = runner.drafter.budget
     if budget is not None:
         total = scheduler_output.total_num_scheduled_tokens
@@ -38,7 +48,7 @@ def started(runner: Any, step: Eagle2Step, scheduler_output: Any) -> None:
         budget.step_started(total, total - len(scheduler_output.num_scheduled_tokens) - drafts)
 
 
-def prepare(runner: Any, step: Eagle2Step, spec_meta: Any) -> None:
+def prepare(runner: GPUModelRunner, step: Eagle2Step, spec_meta: SpecDecodeMetadata | None) -> None:
     """3. ``_prepare_inputs``, after vLLM's: the scheduled drafts matched to the trees proposed last
     step, every node at its RoPE position, the masks published (``step.verify``; None without
     drafts). The target forward follows: each attention layer recomputes the tree rows with their
@@ -46,7 +56,7 @@ def prepare(runner: Any, step: Eagle2Step, spec_meta: Any) -> None:
     verification.prepare_tree_verification(runner, step, spec_meta)
 
 
-def keep_hidden_rows(runner: Any, step: Eagle2Step) -> None:
+def keep_hidden_rows(runner: GPUModelRunner, step: Eagle2Step) -> None:
     """4. ``sample_tokens`` opens: the target's hidden-state rows (an EAGLE-3 head's auxiliary ones
     too) that the drafter's catch-up pass reads, and that verification reorders
     (``step.hidden_states``)."""
@@ -55,13 +65,21 @@ def keep_hidden_rows(runner: Any, step: Eagle2Step) -> None:
     step.hidden_states = [h for h in rows if h is not None]
 
 
-def sample(runner: Any, step: Eagle2Step, logits: Any, spec_meta: Any) -> Any:
+def sample(
+    runner: GPUModelRunner, step: Eagle2Step, logits: torch.Tensor, spec_meta: SpecDecodeMetadata
+) -> SamplerOutput:
     """5. ``_sample``: every tree verified (:mod:`vllm_eagle2.verify`), the accepted nodes' K/V and
     rows moved into chain order, acceptance recorded; vLLM's ``SamplerOutput``."""
     return verification.sample_with_trees(runner, step, logits, spec_meta)
 
 
-def draft(runner: Any, step: Eagle2Step, sampled: Any, cad: Any, limit: int) -> list[list[int]] | None:
+def draft(
+    runner: GPUModelRunner,
+    step: Eagle2Step,
+    sampled: torch.Tensor | list[list[int]],
+    cad: CommonAttentionMetadata | None,
+    limit: int,
+) -> list[list[int]] | None:
     """6. ``propose_draft_token_ids``: the drafter chooses the next step's drafting
     (:meth:`~.proposer.Eagle2Proposer.begin_step`: ``step.draft``). Without head levels the step may
     end here, its catch-up rows waiting (the drafts returned: none, or lookup chains). Else None,
@@ -71,7 +89,9 @@ def draft(runner: Any, step: Eagle2Step, sampled: Any, cad: Any, limit: int) -> 
     return runner.drafter.begin_step(runner.input_batch.num_reqs, sampled, step, cad, limit)
 
 
-def drafts_sent(runner: Any, step: Eagle2Step, drafts: Any) -> Any:
+def drafts_sent(
+    runner: GPUModelRunner, step: Eagle2Step, drafts: DraftTokenIds | None
+) -> DraftTokenIds | None:
     """7. ``sample_tokens`` returns (and the step closes): its drafts go with its output (vLLM's
     ``DraftTokenIds``). Where the drafter did not run (vLLM zero-filled its drafts), none are sent
     and no trees are kept."""
