@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -355,6 +357,37 @@ def test_bf16_is_chosen_only_where_the_cpu_has_amx_and_trains_in_bf16() -> None:
     assert choose_precision("float32", "cpu", ["amx_bf16"]).name == "float32"
     with pytest.raises(ValueError, match="auto, float32, bfloat16"):
         choose_precision("fp16", "cpu", [])
+
+
+def matmul_dtypes(run: Callable[[], Any]) -> set[torch.dtype]:
+    """The dtypes of every matrix product ``run`` computes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+    seen: set[torch.dtype] = set()
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                seen.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        run()
+    return seen
+
+
+def test_a_float32_step_computes_every_product_in_float32_vocabulary_included(setup: dict) -> None:
+    """float32 means float32 everywhere: the loss's vocabulary matmuls too (they were bf16 whatever the
+    precision; emulated on an AVX2 CPU, a step of the v9 run took 2 min instead of about 6 s)."""
+    target, fdir, shards = setup["target"], setup["fdir"], setup["shards"]
+    seen = {}
+    for precision in ("float32", "bfloat16"):
+        head = build_head(target, init="target", seed=0)
+        cfg = TrainConfig(epochs=1, lr=1e-3, batch_tokens=128, seed=0, precision=precision, max_steps=1)
+        seen[precision] = matmul_dtypes(lambda h=head, c=cfg: train(h, fdir, shards, None, c, progress=False))
+    assert seen["float32"] == {torch.float32}
+    assert torch.bfloat16 in seen["bfloat16"]
 
 
 def test_a_bf16_step_computes_in_bf16_and_keeps_float32_weights(setup: dict) -> None:

@@ -96,8 +96,9 @@ class Eagle3Head(nn.Module):
 
     ``draft_ids`` [Vd] sorted int64: the target token of each draft index. Buffers: ``d2t`` [Vd] int64
     and ``t2d`` [V] bool (saved, only when Vd < V); not saved: the target's embedding ``embed_weight``
-    [V, H], ``target_lm_head`` [Vd, H] bf16 (the target's lm_head rows of the draft vocabulary, for the
-    loss's target distribution) and ``target_to_draft`` [V] int64 (draft index of a target id, -1: none).
+    [V, H], ``target_lm_head`` [Vd, H] (the target's lm_head rows of the draft vocabulary, for the
+    loss's target distribution, in the vocabulary matmuls' dtype: bf16 until :meth:`set_vocab_dtype`)
+    and ``target_to_draft`` [V] int64 (draft index of a target id, -1: none).
     """
 
     def __init__(self, cfg: Any, embed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor) -> None:
@@ -124,6 +125,10 @@ class Eagle3Head(nn.Module):
         self.rotary = LlamaRotaryEmbedding(cfg)
         for p in self.rotary.parameters():
             p.requires_grad_(False)
+
+    def set_vocab_dtype(self, dtype: torch.dtype) -> None:
+        """Run the loss's vocabulary matmuls in ``dtype`` (the training's precision)."""
+        self.target_lm_head = self.target_lm_head.to(dtype)
 
     def forward(
         self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, seq_lens: Sequence[int]

@@ -193,8 +193,8 @@ class _Layer(nn.Module):
 class EagleHead(nn.Module):
     """Trainable EAGLE head; ``state_dict()`` keys are exactly vLLM's eagle checkpoint keys.
 
-    The target's embedding (in its own dtype) and ``lm_head`` (bf16, for the vocabulary matmuls) are
-    frozen, non-persistent buffers, so they are never saved.
+    The target's embedding (in its own dtype) and ``lm_head`` (in the vocabulary matmuls' dtype, bf16
+    until :meth:`set_vocab_dtype`) are frozen, non-persistent buffers, so they are never saved.
 
     A config with ``aux_hidden_state_layers`` (a measurement, not a format vLLM or the plugin loads)
     adds EAGLE-3's extra input: where the head reads a target feature z_i it reads
@@ -219,6 +219,11 @@ class EagleHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(cfg)
         for p in self.rotary.parameters():
             p.requires_grad_(False)
+
+    def set_vocab_dtype(self, dtype: torch.dtype) -> None:
+        """Run the loss's vocabulary matmuls in ``dtype`` (the training's precision: bf16 only where the
+        machine runs it fast; emulated on an AVX2 CPU it took a step from about 6 s to 2 min)."""
+        self.lm_head_weight = self.lm_head_weight.to(dtype)
 
     def forward(
         self,

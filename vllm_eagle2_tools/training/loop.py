@@ -241,6 +241,7 @@ class _Trainer:
     ) -> None:
         self.head, self.fdir, self.cfg, self.checkpoint = head, fdir, cfg, checkpoint
         self.eval_shards, self.extra_eval = eval_shards, extra_eval or {}
+        head.set_vocab_dtype(getattr(torch, cfg.precision))  # float32 means float32 everywhere
         torch.manual_seed(cfg.seed)
         self.plans = [epoch_plan(train_shards, cfg.batch_tokens, cfg.seed, e) for e in range(cfg.epochs)]
         total_steps = sum(len(p) for p in self.plans)

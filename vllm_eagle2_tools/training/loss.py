@@ -135,9 +135,9 @@ def vocab_loss(
 ) -> tuple[float, torch.Tensor | None, int, int, int]:
     """Cross-entropy of the head's logits against the target's next-token distribution, in row chunks.
 
-    Logits are ``lm_head`` (bf16 matmul) of the head output and of the target's hidden state; the softmax
-    runs in float32. Returns (sum of CE over rows, d(sum CE)/d out [N, H] or None, top-1 / top-5 / top-10
-    hits of the target's argmax among the head's top-k).
+    Logits are ``lm_head`` (a matmul in its dtype, the training's precision) of the head output and of the
+    target's hidden state; the softmax runs in float32. Returns (sum of CE over rows, d(sum CE)/d out
+    [N, H] or None, top-1 / top-5 / top-10 hits of the target's argmax among the head's top-k).
     """
     ce = 0.0
     hits1 = hits5 = hits10 = 0
@@ -219,15 +219,16 @@ def draft_vocab_loss(
     ``out`` [N, H]: the head's normed outputs (``head.norm(y)``); head logits ``out @ lm_head.T`` [N, Vd].
     Target logits: ``target_hidden`` [N, H] (z_{i+1}) times the target's lm_head rows of the draft
     vocabulary (as the stored top-K's). The four vocabulary-sized matmuls (both logits, both gradients)
-    run in bf16 with float32 softmaxes, as :func:`vocab_loss`'s: about 3x faster than float32 on a CPU
-    with bf16 units, and these products dominate the step. ``target_top1`` [N]: the
+    run in the head's vocabulary dtype (``target_lm_head``'s, the training's precision) with float32
+    softmaxes, as :func:`vocab_loss`'s: bf16 is about 3x faster than float32 on a CPU with AMX, and these
+    products dominate the step. ``target_top1`` [N]: the
     target's argmax over its whole vocabulary (stored ``topk_ids[:, 0]``); a row hits top-k when that token
     is in the draft vocabulary and among the head's k best, so a target argmax outside it is a miss.
     Returns (sum of CE, d(sum CE)/d out [N, H], d(sum CE)/d lm_head.weight [Vd, H], top-1/5/10 hits); the
     gradients are None without ``want_grad``.
     """
-    w = head.lm_head.weight.detach().to(torch.bfloat16)
     wt = head.target_lm_head
+    w = head.lm_head.weight.detach().to(wt.dtype)
     want = head.target_to_draft[target_top1.long()]  # [N] draft index of the target's argmax, -1: none
     ce = 0.0
     hits = [0, 0, 0]
