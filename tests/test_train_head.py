@@ -363,7 +363,14 @@ def matmul_dtypes(run: Callable[[], Any]) -> set[torch.dtype]:
     """The dtypes of every matrix product ``run`` computes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    products = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+    aten = torch.ops.aten  # (under inference mode the composite ops arrive undecomposed)
+    products = {
+        aten.mm.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten.matmul.default,
+        aten.linear.default,
+    }
     seen: set[torch.dtype] = set()
 
     class Recorder(TorchDispatchMode):
@@ -388,6 +395,14 @@ def test_a_float32_step_computes_every_product_in_float32_vocabulary_included(se
         seen[precision] = matmul_dtypes(lambda h=head, c=cfg: train(h, fdir, shards, None, c, progress=False))
     assert seen["float32"] == {torch.float32}
     assert torch.bfloat16 in seen["bfloat16"]
+
+
+def test_float32_features_compute_every_product_in_float32(setup: dict, tmp_path: Path) -> None:
+    """The feature pass of a float32 target computes its top-K logits in float32 too (they were bf16
+    whatever the target's dtype: emulated on an AVX2 CPU, 150 tok/s)."""
+    seqs = setup["seqs"]
+    seen = matmul_dtypes(lambda: write_feature_shards(setup["model"], seqs, tmp_path, "train", 150))
+    assert seen == {torch.float32}
 
 
 def test_a_bf16_step_computes_in_bf16_and_keeps_float32_weights(setup: dict) -> None:

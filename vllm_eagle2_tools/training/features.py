@@ -107,7 +107,10 @@ def shard_tensors(
             if aux_layers:
                 layers = [out.hidden_states[j].flatten(0, 1)[rows] for j in aux_layers]
                 aux.append(torch.cat(layers, -1).to(torch.bfloat16).cpu())
-            logp = torch.log_softmax((h @ lm_head.T).float(), -1)
+            # From the stored (bf16) hidden state, as the loss recomputes it, in lm_head's dtype: the
+            # target's, so bf16 only where the precision chose it (emulated on an AVX2 CPU, this one
+            # product held the feature pass to 150 tok/s).
+            logp = torch.log_softmax((h.to(lm_head.dtype) @ lm_head.T).float(), -1)
             val, idx = logp.topk(min(target_topk, logp.shape[-1]), -1)
         hidden.append(h.cpu())
         top_ids.append(idx.to(torch.int32).cpu())
@@ -155,8 +158,9 @@ def write_feature_shards(
     hidden state after the final norm), ``mask`` bool [N] (assistant tokens), ``offsets`` int64
     [n+1] (sequence starts), and the target's next-token distribution at each position, cut to its
     ``target_topk`` most likely tokens: ``topk_ids`` int32 [N, K] (most likely first) and
-    ``topk_logp`` float32 [N, K] (full-vocabulary log-probs of bf16 ``lm_head(hidden)``, the same
-    logits the training loss used to recompute every epoch). With ``aux_layers`` also ``aux`` bf16
+    ``topk_logp`` float32 [N, K] (full-vocabulary log-probs of ``lm_head(hidden)`` in the target's dtype,
+    from the stored bf16 hidden state, the logits the training loss used to recompute every epoch).
+    With ``aux_layers`` also ``aux`` bf16
     [N, len(aux_layers) * H]: the residual stream entering each of those target layers (transformers'
     ``hidden_states[l]``), side by side in the given order (EAGLE-3's low/middle-layer features).
     The split of sequences into shards is fixed by their lengths, and existing shards are kept, so an
@@ -183,7 +187,7 @@ def write_feature_shards(
     todo_tokens = sum(len(seqs.ids[i]) for k in todo for i in plan[k])
     bar = tqdm(total=todo_tokens, unit="tok", desc=desc or f"features {split}", dynamic_ncols=True)
     inner = getattr(model, "model", model)
-    lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    lm_head = model.get_output_embeddings().weight.detach()  # in the target's dtype
     for k in todo:
         name, members = names[k], plan[k]
         tensors = shard_tensors(inner, lm_head, seqs, members, batch, aux_layers, target_topk, bar)

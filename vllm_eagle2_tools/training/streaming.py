@@ -76,7 +76,7 @@ class StreamedShards:
         from tqdm import tqdm
 
         model = self._target()
-        lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+        lm_head = model.get_output_embeddings().weight.detach()  # in the target's dtype
         members = self.members[k]
         total = sum(len(self.seqs.ids[i]) for i in members)
         batch = 1 if self.device.type == "cpu" else 32
