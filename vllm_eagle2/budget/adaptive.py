@@ -66,7 +66,7 @@ class StepTimes:
     the drafts of the step before; drafted: it sent drafts; lookup_only: ... lookup chains alone.
     """
 
-    host: float
+    host: float | None  # None: no step yet
     mark: Any
     tokens: int
     prompt: bool
@@ -184,12 +184,11 @@ class AdaptiveBudget:
         """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
         self.step.levels.append((self.clock.mark(), rows))
 
-    def drafting_done(self, timed: bool = True) -> None:
-        """The last level ended: each level is timed from its start to the next one's (``timed``
-        False: the levels are dropped, as where the head drafted nothing after the catch-up)."""
+    def drafting_done(self) -> None:
+        """The last level ended: each level is timed from its start to the next one's."""
         step = self.step
         levels, step.levels = step.levels, []
-        if not levels or not timed:
+        if not levels:
             return
         levels.append((self.clock.mark(), 0))
         for i, ((start, rows), (end, _)) in enumerate(zip(levels, levels[1:])):
