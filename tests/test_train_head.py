@@ -348,10 +348,11 @@ def test_the_command_line_streams_features_in_bf16_into_a_checkpoint_it_names(
     assert json.loads((out / "training.json").read_text())["steps_done"] == record["steps_done"]
 
 
-def test_bf16_is_chosen_only_where_the_cpu_has_amx_and_trains_in_bf16() -> None:
-    """auto: bf16 with AMX bf16 tiles, float32 with AVX-512 bf16 alone or AVX2; an explicit choice is kept."""
+def test_bf16_is_chosen_only_where_the_cpu_has_bf16_dot_products_and_trains_in_bf16() -> None:
+    """auto: bf16 with AMX bf16 tiles or AVX-512 bf16, float32 with AVX2 alone; an explicit choice is kept."""
     assert choose_precision("auto", "cpu", ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]).name == "bfloat16"
-    assert choose_precision("auto", "cpu", ["avx2", "avx512f", "avx512_bf16"]).name == "float32"
+    assert choose_precision("auto", "cpu", ["avx2", "avx512f", "avx512_bf16"]).name == "bfloat16"
+    assert choose_precision("auto", "cpu", ["avx2", "avx512f"]).name == "float32"
     assert choose_precision("auto", "cpu", ["avx2"]).name == "float32"
     assert choose_precision("bfloat16", "cpu", ["avx2"]).name == "bfloat16"
     assert choose_precision("float32", "cpu", ["amx_bf16"]).name == "float32"
