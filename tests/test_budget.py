@@ -410,11 +410,11 @@ def test_the_budget_prices_more_verified_tokens_never_below_fewer(monkeypatch):
     budget = AdaptiveBudget(
         depth=2, topk=2, max_nodes=4, chain=False, max_batch=4, max_tokens=64, device=torch.device("cpu")
     )
-    plan = budget.plan(2)
-    assert plan.drafts
+    share = budget.plan(2)
+    assert share.plan.drafts
     values = torch.full((2, 4), 0.9).log()
     depths = torch.ones(2, 4, dtype=torch.long)
-    counts = budget.allocate(plan, values, depths, torch.tensor([False, False]))
+    counts = share.allocate(values, depths, torch.tensor([False, False]))
     assert counts.tolist() == [0, 0]
 
 
@@ -463,8 +463,8 @@ def test_verification_outcomes_land_in_the_acceptance_table():
     known = torch.ones(1, 4, dtype=torch.bool)
     accepted = torch.tensor([[0, -1, -1, -1]])  # node 0 accepted, node 2 rejected
     budget.acceptance.record(parents, depths, ranks, values, known, accepted)
-    budget.acceptance.copy_to_host()
-    budget.after_sync()
+    budget.acceptance.copy_to_host()  # with the drafts' transfer (StepBudget.allocate)
+    budget.acceptance.read_host_copy()  # as the next step starts (AdaptiveBudget.learn)
     # Trials: both depth-1 nodes (the root is always accepted), and node 2 (its parent was);
     # node 3's parent was rejected, so it was never tried.
     assert budget.acceptance.model.trials.tolist() == [[1, 1], [1, 0], [0, 0]]
@@ -482,6 +482,20 @@ def test_observations_rescale_the_sizes_never_observed():
     assert curve(16) == pytest.approx(3 * 0.026, rel=1e-3)
     assert curve(64) == pytest.approx(3 * 0.074, rel=1e-3)
     assert curve(2) == pytest.approx(3 * 0.012, rel=1e-3)
+
+
+def sent(budget, plan, counts: list[int], head_skipped: bool = False) -> None:
+    """One step that sent ``counts`` drafts per request of ``plan``, as the budget learns it when the
+    next step starts. Timed by a clock that stands still: it teaches its outcome, not a price."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm_eagle2.budget import timing
+
+    with mock.patch.object(timing, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
+        times = budget.learn(len(counts))
+        times.drafts_sent(plan, counts, head_skipped)
+        budget.learn(len(counts))
 
 
 def make_budget(**kw):
@@ -504,10 +518,10 @@ def test_acceptance_measured_low_drifts_back_to_the_prior_while_nothing_is_draft
     budget = make_budget()
     budget.acceptance.stats[0, :2] = 100.0  # trials at depth 1, ranks 0 and 1; no acceptances
     budget.acceptance.copy_to_host()
-    budget.after_sync()
+    budget.acceptance.read_host_copy()
     steps_without = 0
-    while not (plan := budget.plan(1)).drafts and steps_without < 200:
-        budget.count_step(NO_DRAFTS, [0])
+    while not (plan := budget.plan(1).plan).drafts and steps_without < 200:
+        sent(budget, NO_DRAFTS, [0])
         steps_without += 1
     assert plan.drafts, budget.acceptance.model.p[0]
     assert steps_without > 50  # not at once: the rejections still weigh for a while
@@ -515,14 +529,15 @@ def test_acceptance_measured_low_drifts_back_to_the_prior_while_nothing_is_draft
 
 def test_budget_times_verifying_steps_on_their_own_curve():
     budget = make_budget()
-    plan = budget.plan(4)
+    plan = budget.plan(4).plan
     assert plan.drafts
-    budget.step_started(4)
-    budget.target_done()
-    budget.count_step(plan, [2, 2, 2, 2])  # this step drafted: the next one verifies
+    times = budget.learn(4)
+    times.target_done()
+    times.drafts_sent(plan, [2, 2, 2, 2])
+    verifying = budget.learn(12, verifies=True)  # the next step verifies those drafts
     assert budget.prices.target.observed and not budget.prices.verify.observed
-    budget.step_started(12)
-    budget.target_done()
+    verifying.target_done()
+    budget.learn(4)
     assert budget.prices.verify.observed
 
 
@@ -570,11 +585,11 @@ def fake_clock(monkeypatch) -> list[float]:
     """The budget's times and its Clock's read ``now[0]`` seconds; returns ``now``."""
     from types import SimpleNamespace
 
-    from vllm_eagle2.budget import adaptive, costs
+    from vllm_eagle2.budget import adaptive, costs, timing
 
     now = [0.0]
     clock = SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
-    for module in (adaptive, costs):
+    for module in (adaptive, costs, timing):
         monkeypatch.setattr(module, "time", clock)
     return now
 
@@ -586,10 +601,11 @@ def test_a_step_with_prompt_tokens_teaches_no_target_price(monkeypatch):
     budget = make_budget()
     before = budget.prices.costs()["target"](np.array([4.0, 256.0]))
     for _ in range(20):  # a prompt chunk of 252 tokens beside 4 decoding requests, priced 10x
-        budget.step_started(256, 252)
+        times = budget.learn(256, 252)
         now[0] += 10 * float(budget.prices.target(256))
-        budget.target_done()
-        budget.count_step(NO_DRAFTS, [0] * 4)
+        times.target_done()
+        times.drafts_sent(NO_DRAFTS, [0] * 4)
+    budget.learn(4)
     assert budget.prices.costs()["target"](np.array([4.0, 256.0])) == pytest.approx(before)
 
 
@@ -597,24 +613,27 @@ def test_an_idle_engine_prices_its_next_steps_as_before(monkeypatch):
     now = fake_clock(monkeypatch)
     budget = make_budget()
 
+    verifies = [False]
+
     def step(seconds: float, gap: float) -> None:  # a 4-token pass, the drafter, vLLM's turn
-        budget.step_started(4)
+        times = budget.learn(4, verifies=verifies[0])
         now[0] += seconds
-        budget.target_done()
-        plan = budget.plan(4)
-        budget.count_step(plan, [plan.per_request] * 4)
+        times.target_done()
+        plan = budget.plan(4).plan
+        times.drafts_sent(plan, [plan.per_request] * 4)
+        verifies[0] = times.drafted
         now[0] += gap
 
     for kind, verify_per_token in (("plain steps", 0.01), ("drafting steps", 0.00001)):
         budget.prices.verify = linear_curve(256, 0.010, verify_per_token)  # drafts pay only when cheap
         for _ in range(30):
             step(0.010, 0.001)
-        drafts, costs = budget.plan(4).drafts, budget.prices.costs()
+        drafts, costs = budget.plan(4).plan.drafts, budget.prices.costs()
         assert drafts == (kind == "drafting steps")
         step(0.010, 60.0)  # no requests for a minute
         for _ in range(3):
             step(0.010, 0.001)
-        assert budget.plan(4).drafts == drafts, kind
+        assert budget.plan(4).plan.drafts == drafts, kind
         for name in ("overhead", "draft_overhead"):
             assert budget.prices.costs()[name] < 1.5 * costs[name] + 0.001, (kind, name)
 
@@ -628,35 +647,37 @@ def test_a_step_with_prompt_tokens_teaches_neither_an_overhead_nor_a_level_price
     budget = make_budget()
 
     def step(prompt_tokens: int, drafts: bool) -> None:  # catch-up: 1 ms, 50 ms more with a prompt
-        budget.step_started(4 + prompt_tokens, prompt_tokens)
+        times = budget.learn(4 + prompt_tokens, prompt_tokens, verifies=drafts)
         now[0] += 0.010
-        budget.target_done()
+        times.target_done()
         catch_up = 0.001 + (0.050 if prompt_tokens else 0.0)
         if drafts:
-            plan = budget.plan(4)
-            budget.level_started(4)
+            plan = budget.plan(4).plan
+            times.level_started(4)
             now[0] += catch_up
-            budget.drafting_done()
-            budget.count_step(plan, [1] * 4)
+            times.drafting_done()
+            times.drafts_sent(plan, [1] * 4)
         else:
             now[0] += catch_up
-            budget.count_step(NO_DRAFTS, [0] * 4)
+            times.drafts_sent(NO_DRAFTS, [0] * 4)
         now[0] += 0.001
 
     for drafts in (False, True):
         for i in range(40):
             step(300 if i % 2 else 0, drafts)
+    budget.learn(4)
+    assert budget.prices.draft_overhead is not None  # drafting steps were learnt
     assert budget.prices.overhead < 0.002 and budget.prices.draft_overhead < 0.002
     assert budget.prices.level(4) < 0.002
 
 
 def test_budget_replans_as_soon_as_the_cached_plan_is_repriced():
     budget = make_budget()
-    assert budget.plan(4).drafts
+    assert budget.plan(4).plan.drafts
     for _ in range(8):  # verifying steps turn out to cost 10x a plain pass
         for tokens in (8, 16, 32):
             budget.prices.verify.observe(tokens, 0.1)
-    assert not budget.plan(4).drafts and budget.counters.replans == 1
+    assert not budget.plan(4).plan.drafts and budget.counters.replans == 1
 
 
 def test_verifier_width_follows_the_adaptive_budget_counts():
@@ -685,12 +706,12 @@ def test_plan_prices_a_shape_for_the_drafts_the_allocation_sends():
 
 def test_budget_stops_planning_drafts_the_allocation_does_not_send():
     budget = make_budget()
-    plan = budget.plan(4)
+    plan = budget.plan(4).plan
     assert plan.drafts
     for _ in range(20):  # the allocation keeps nothing, step after step
-        budget.count_step(plan, [0, 0, 0, 0])
+        sent(budget, plan, [0, 0, 0, 0])
     budget._plans.clear()  # the cached plan expires
-    assert not budget.plan(4).drafts
+    assert not budget.plan(4).plan.drafts
 
 
 def test_budget_retries_drafting_within_a_replan_after_the_allocation_sent_nothing():
@@ -698,13 +719,13 @@ def test_budget_retries_drafting_within_a_replan_after_the_allocation_sent_nothi
     from vllm_eagle2.budget.decisions import NO_DRAFTS
 
     budget = make_budget()
-    plan = budget.plan(1)
+    plan = budget.plan(1).plan
     for _ in range(20):
-        budget.count_step(plan, [0])
+        sent(budget, plan, [0])
     budget._plans.clear()
     steps_without = 0
-    while not (plan := budget.plan(1)).drafts and steps_without < 4 * REPLAN_STEPS:
-        budget.count_step(NO_DRAFTS, [0])
+    while not (plan := budget.plan(1).plan).drafts and steps_without < 4 * REPLAN_STEPS:
+        sent(budget, NO_DRAFTS, [0])
         steps_without += 1
     assert plan.drafts and steps_without <= REPLAN_STEPS + 1, steps_without
 
@@ -713,24 +734,24 @@ def test_a_one_node_plan_sent_in_part_of_the_steps_keeps_that_part_of_its_gain()
     # One node accepted at 0.79 costs 0.0112 s a step against 0.0101 s without drafts. Sent in
     # 40% of steps it still pays (1 + 0.4 * 0.79 tokens: 118 tok/s against 99); in 10%, not.
     budget = make_budget(depth=1, topk=1, max_nodes=1)
-    assert budget.plan(1).drafts
-    for sent, drafts in ((0.4, True), (0.1, False)):
-        budget._sent[1] = sent
+    assert budget.plan(1).plan.drafts
+    for rate, drafts in ((0.4, True), (0.1, False)):
+        budget._sent[1] = rate
         budget._plans.clear()
-        assert budget.plan(1).drafts == drafts, sent
+        assert budget.plan(1).plan.drafts == drafts, rate
 
 
 def test_budget_plans_for_the_drafts_the_allocation_sends_and_tries_more_once_it_sends_all():
     budget = make_budget()
-    plan = budget.plan(1)
+    plan = budget.plan(1).plan
     assert plan.per_request > 2
     for _ in range(20):  # the allocation sends one node of each tree
-        budget.count_step(plan, [1])
+        sent(budget, plan, [1])
     budget._plans.clear()
-    small = budget.plan(1)
+    small = budget.plan(1).plan
     assert small.depth == 1 and small.per_request <= 2  # sent: 1.06 (6 x 0.8^20 + 1 x (1 - 0.8^20))
     for _ in range(20):  # and now every node planned: one more might pay
-        budget.count_step(small, [small.per_request])
+        sent(budget, small, [small.per_request])
     assert budget.summary()["sent_per_request"]["1"] > 1.5
 
 
@@ -781,16 +802,17 @@ def decisions_of_ranks(budgets: list) -> list[list]:
         depths = torch.arange(1, 13).repeat(batch, 1).clamp(max=4)
         reach = np.cumprod(rng.uniform(0.3, 0.95, (batch, 8)), axis=1)
         for rank, budget in enumerate(budgets):
+            times = budget.learn(batch * 4, verifies=step % 2 == 1)
+            # and the step before's passes, on this rank's own clock
             slow = (1.0 + 2.0 * rank) * rng.uniform(0.8, 1.6)
             seconds = slow * 0.02 * (1 + batch * 4 / 16)
             budget.prices.observe_target(batch * 4, seconds, verifies=step % 2 == 1)
-            plan = budget.plan(batch)
-            # the step's own levels, before its allocation
-            budget.prices.level.observe(batch * 3, slow * 0.002)
-            alone = budget.chains_alone_pay(plan, reach) if plan.drafts else None
-            counts = budget.allocate(plan, values, depths, torch.ones(batch, dtype=torch.bool)).tolist()
-            budget.count_step(plan, counts)
-            decisions[rank].append((plan, alone, counts))
+            budget.prices.observe_level(batch * 3, slow * 0.002)
+            share = budget.plan(batch)
+            alone = share.chains_alone_pay(reach) if share.plan.drafts else None
+            counts = share.allocate(values, depths, torch.ones(batch, dtype=torch.bool)).tolist()
+            times.drafts_sent(share.plan, counts)
+            decisions[rank].append((share.plan, alone, counts))
     return decisions
 
 
@@ -839,39 +861,40 @@ def test_the_cuda_clock_resolves_every_step_and_a_plain_steps_overhead_excludes_
     budget.clock.cuda = True
     budget.calibrate(lambda tokens: 0.05, lambda rows: 0.005)
     for _ in range(60):
-        budget.step_started(tokens=4)
+        times = budget.learn(4)
         FakeEvent.now[0] += 0.05  # the target pass, waited for on the host (vLLM's sync)
-        budget.target_done()
+        times.target_done()
         FakeEvent.now[0] += 0.01  # the rest of the step, on the host
-        budget.count_step(NO_DRAFTS, [0, 0, 0, 0])
+        times.drafts_sent(NO_DRAFTS, [0, 0, 0, 0])
         FakeEvent.now[0] += 0.002  # between steps
     assert len(budget.clock.pending) <= 1
     assert budget.prices.overhead == pytest.approx(0.01, rel=0.05)  # not the pass's 0.05 on top
 
 
-def test_a_steps_prices_are_frozen_at_its_plan(monkeypatch):
-    """The step's own timings (its draft levels, measured before the allocation) move the curves for
-    later steps only: a rank's clock cannot reach this step's allocation."""
+def test_a_steps_own_timings_move_the_prices_only_once_the_next_step_starts(monkeypatch):
+    """A draft level timed far slower mid-step changes nothing of this step's allocation (under
+    tensor parallelism each rank times its own levels): the next step prices it."""
     from vllm_eagle2.budget import adaptive
 
     monkeypatch.delenv("VLLM_EAGLE2_STEP_COSTS", raising=False)
+    now = fake_clock(monkeypatch)
     seen = []
     monkeypatch.setattr(
         adaptive, "allocate_nodes", lambda *args, **kwargs: seen.append(args[4]) or args[2].long()
     )
     budget = rank_budgets(joined=False)[0]
     budget.calibrate(lambda tokens: 0.02 * (1 + tokens / 16), lambda rows: 0.002)
-    plan = budget.plan(2)
-    args = (
-        plan,
-        torch.full((2, 12), 0.5).log(),
-        torch.ones(2, 12, dtype=torch.long),
-        torch.ones(2, dtype=torch.bool),
-    )
-    budget.allocate(*args)
-    budget.prices.level.observe(6, 5.0)  # a level timed far slower, mid-step
-    budget.allocate(*args)
+    values, depths = torch.full((2, 12), 0.5).log(), torch.ones(2, 12, dtype=torch.long)
+    args = (values, depths, torch.ones(2, dtype=torch.bool))
+    times = budget.learn(2)
+    share = budget.plan(2)
+    share.allocate(*args)
+    times.level_started(6)
+    now[0] += 5.0
+    times.drafting_done()
+    share.allocate(*args)
     assert torch.equal(seen[0], seen[1])
-    budget.plan(2)
-    budget.allocate(*args)
-    assert not torch.equal(seen[0], seen[2])  # the next step prices it
+    times.drafts_sent(share.plan, [2, 2])
+    budget.learn(2)
+    budget.plan(2).allocate(*args)
+    assert not torch.equal(seen[0], seen[2])

@@ -15,6 +15,7 @@ from test_engine_lossless import eagle2, greedy, token_prompts, tokens_of
 
 from vllm_eagle2.budget.costs import COSTS_ENV
 from vllm_eagle2.budget.decisions import NO_DRAFTS
+from vllm_eagle2.engine import catch_up as catch_up_module
 from vllm_eagle2.engine import proposer as proposer_module
 from vllm_eagle2.engine.catch_up import DeferredCatchUp, WaitingStep, step_rows
 from vllm_eagle2_tools.testing import build_eagle3_head, build_pair
@@ -164,7 +165,7 @@ def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, lis
     monkeypatch.setattr(proposer_module, "TreeExpander", RootsSeen)
     monkeypatch.setattr(proposer_module.Eagle2Proposer, "propose", recorded)
     if catch_up == "every step":
-        monkeypatch.setattr(proposer_module, "rows_may_wait", lambda *args: False)
+        monkeypatch.setattr(catch_up_module, "rows_may_wait", lambda *args: False)
     elif catch_up == "dropped":
         monkeypatch.setattr(DeferredCatchUp, "take", dropped)
     return record

@@ -6,6 +6,8 @@
   verification feeds.
 * :mod:`.decisions`: the pure decisions (the draft's shape before drafting, the nodes per
   request after) from costs and acceptance.
-* :mod:`.adaptive`: one engine's controller, feeding measurements into those decisions.
+* :mod:`.timing`: one step's record (its timings, what it sent), which the step marks as it runs.
+* :mod:`.adaptive`: one engine's controller, three calls a step: ``learn`` (from the record of the
+  step before), ``plan`` and the plan's ``allocate``.
 * :mod:`.summary`: what the budget did, for the engine's stats.
 """

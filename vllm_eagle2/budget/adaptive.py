@@ -6,8 +6,13 @@
   went on at a loss. On CUDA the timings are events, read after the step's sync.
 * **Acceptance** (:mod:`.acceptance`): the verifier adds each step's outcome to a small device table,
   copied with the drafter's own transfer.
-* **Decisions.** :meth:`plan` (host, before drafting), :meth:`chains_alone_pay` (host, once lookup chains are
-  known) and :meth:`allocate` (device, after).
+* **Three calls a step.** :meth:`AdaptiveBudget.learn` as the step starts, from the record of the
+  step before (:class:`~vllm_eagle2.budget.timing.StepTimes`, which each step fills as it runs;
+  the call returns the new step's);
+  :meth:`AdaptiveBudget.plan` before drafting (host), which returns the step's :class:`StepBudget`:
+  the plan and the prices it was chosen at, which then decide whether lookup chains go alone
+  (:meth:`StepBudget.chains_alone_pay`, host) and how many drafts each request sends
+  (:meth:`StepBudget.allocate`, device).
 
 ``VLLM_EAGLE2_STEP_COSTS`` (:data:`~vllm_eagle2.budget.costs.COSTS_ENV`) replaces the measured costs by
 fixed linear ones, for tests and what-if runs.
@@ -19,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,11 +39,13 @@ from vllm_eagle2.budget.decisions import (
     allocate_nodes,
     chains_alone_pay,
     draft_seconds,
+    fit_level_rows,
     plan_draft,
     step_cost,
 )
 from vllm_eagle2.budget.prices import Prices
 from vllm_eagle2.budget.summary import StepCounters
+from vllm_eagle2.budget.timing import Sent, StepTimes
 from vllm_eagle2.device import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -55,28 +62,59 @@ SENT_RECOVERY = 0.05
 LOG_INTERVAL_S = 10.0
 
 
-@dataclass
-class StepTimes:
-    """The timings of the step under way, from :meth:`AdaptiveBudget.step_started` to the next.
+@dataclass(frozen=True)
+class StepBudget:
+    """One step's share of the budget: its draft ``plan`` (fitted to the head's rows; ``narrowed``:
+    the fit cut its topk) and the prices it was chosen at (``costs``), which its two later
+    decisions use too. Nothing is learnt mid-step, so every rank decides alike all through it.
 
-    host / end: its start and the drafter's end (``time.perf_counter``); mark: the clock's mark at
-    its start, until the target pass is measured; tokens / prompt: its scheduled tokens, and
-    whether prompt chunks are among them; target / draft: seconds of its target pass and draft
-    levels, as they resolve; levels: the draft levels' (mark, rows) so far; verifies: it verifies
-    the drafts of the step before; drafted: it sent drafts; lookup_only: ... lookup chains alone.
+    acceptance: the engine's table (the allocation's per-depth correction); max_tokens: a step's
+    token budget (vLLM's ``max_num_batched_tokens``).
     """
 
-    host: float | None  # None: no step yet
-    mark: Any
-    tokens: int
-    prompt: bool
-    verifies: bool
-    end: float | None = None
-    target: float = 0.0
-    draft: float = 0.0
-    levels: list[tuple[Any, int]] = field(default_factory=list)
-    drafted: bool = False
-    lookup_only: bool = False
+    plan: DraftPlan
+    narrowed: bool
+    costs: dict[str, Any]
+    acceptance: AcceptanceTable
+    max_tokens: int
+
+    def chains_alone_pay(self, reach: np.ndarray) -> bool:
+        """Whether lookup chains ([B, L] ``reach``) alone beat :attr:`plan` beside them (decisions)."""
+        return chains_alone_pay(self.plan, reach, **self.costs)
+
+    def allocate(
+        self,
+        values: Tensor,
+        depths: Tensor,
+        allowed: Tensor,
+        grafted: Tensor | None = None,
+        head_skipped: bool = False,
+    ) -> Tensor:
+        """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`; ``grafted``:
+        [B, N] bool lookup nodes or None; ``head_skipped``: the levels went unrun, none are priced).
+        Starts the acceptance table's copy to the host, which lands with the drafts' transfer."""
+        batch, n = values.shape
+        costs, plan = self.costs, NO_DRAFTS if head_skipped else self.plan
+        j = np.arange(batch * n + 1, dtype=np.float64)
+        seconds = costs["verify"](batch + j) + costs["draft_overhead"]
+        # Sending no drafts after all spares the next step its verification.
+        seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
+        seconds = seconds + draft_seconds(plan, batch, costs["level"])
+        # More verified tokens never cost less: the overheads of the two kinds of step are learnt
+        # apart, and priced below none, a draft that gains nothing looked worth sending.
+        seconds = np.maximum.accumulate(seconds)
+        step_seconds = to_device(seconds.astype(np.float32), values.device)
+        counts = allocate_nodes(
+            values,
+            depths,
+            allowed,
+            self.acceptance.correction(),
+            step_seconds,
+            grafted,
+            max_drafts=self.max_tokens - batch,
+        )
+        self.acceptance.copy_to_host()
+        return counts
 
 
 class AdaptiveBudget:
@@ -85,8 +123,7 @@ class AdaptiveBudget:
     depth / topk / max_nodes: the user's upper bounds (``depth``, ``topk``,
     ``num_speculative_tokens``); chain: the ``chain`` tree mode (trees of width 1 only).
     Outlives steps: ``prices``, ``acceptance``, the cached plans and the drafts sent per batch
-    size, ``counters``. Lives for one step: ``step`` (its timings) and the prices :meth:`plan`
-    froze for it.
+    size, ``counters``, and the record of the step under way, learnt from when the next one starts.
     """
 
     def __init__(
@@ -106,11 +143,10 @@ class AdaptiveBudget:
         self.acceptance = AcceptanceTable(depth, topk, device)
         self.clock = Clock(device)
         # Under tensor parallelism every rank must decide alike (a level runs the head's collectives;
-        # counts shape the masks): each step's prices are rank 0's (:meth:`plan`), frozen for the step.
+        # counts shape the masks): each step's prices are rank 0's (:meth:`plan`).
         self.agree: Agree = same_everywhere
         self.counters = StepCounters()
-        self.step = StepTimes(host=None, mark=None, tokens=0, prompt=False, verifies=False)
-        self._frozen: dict[str, Any] | None = None  # the step's prices, frozen by plan
+        self._under_way: StepTimes | None = None  # the step under way, learnt from at the next start
         self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}  # batch -> (plan no., plan, prices)
         self._plans_made = 0
         self._sent: dict[int, float] = {}  # batch -> drafts per request sent
@@ -121,25 +157,65 @@ class AdaptiveBudget:
         """Fixed linear costs (``VLLM_EAGLE2_STEP_COSTS``): nothing is learnt from timings."""
         return self.prices.fixed is not None
 
-    # -- timings -------------------------------------------------------------------------------
     def calibrate(self, time_target: Callable[[int], float], time_level: Callable[[int], float]) -> None:
         """Time the target and one draft level at engine start (:meth:`Prices.calibrate`)."""
         self.prices.calibrate(time_target, time_level, self.agree)
 
-    def step_started(self, tokens: int, prompt_tokens: int = 0) -> None:
-        """The runner starts a step over ``tokens`` scheduled tokens, ``prompt_tokens`` of them
-        prompt (prefill chunks), the rest one per decoding request and its drafts."""
-        # The last step's timings first, drafting or not: on CUDA its events have passed by now (vLLM
-        # synced on its sampled tokens). Resolved only after drafting steps, a step without drafts
-        # left its target pass unresolved, so its overhead learnt the whole pass (and the pending
-        # events piled up).
+    # -- learn ---------------------------------------------------------------------------------
+    def learn(self, tokens: int, prompt_tokens: int = 0, verifies: bool = False) -> StepTimes:
+        """A step starts, over ``tokens`` scheduled tokens, ``prompt_tokens`` of them prompt (prefill
+        chunks), ``verifies``: drafts among them. Learns from the step before, now over, and returns
+        the new step's record (:class:`StepTimes`), which the step fills as it runs and the next
+        call learns from.
+
+        The step before teaches its target pass, its draft levels, its overheads (up to this start)
+        and what it sent; the acceptance its drafts' transfer copied is read, and the table decays
+        once per drafting step. On CUDA its events have passed by now (vLLM synced on its sampled
+        tokens); one that has not resolves at a later start, straight into the prices.
+        """
+        times = StepTimes.begin(self.clock, tokens, prompt_tokens, verifies)
+        last, self._under_way = self._under_way, times
+        if last is None:
+            return times
+        self._measure(last)
         self.clock.resolve()
-        now, last = time.perf_counter(), self.step
-        if last.host is not None and not self.fixed:
-            self._learn_overheads(last, now)
-        self.step = StepTimes(
-            host=now, mark=self.clock.mark(), tokens=tokens, prompt=prompt_tokens > 0, verifies=last.drafted
-        )
+        self.acceptance.read_host_copy()
+        if not self.fixed:
+            self._learn_overheads(last, times.host)
+        sent = last.sent
+        if sent is not None:
+            self._learn_sent(sent)
+            self.acceptance.decay()
+            self.counters.count(sent.plan.depth, sent.plan.topk, sent.counts, sent.head_skipped)
+            now = time.monotonic()
+            if now - self._logged_at >= LOG_INTERVAL_S:
+                self._logged_at = now
+                logger.info("eagle2 adaptive budget: %s", json.dumps(self.summary()))
+        return times
+
+    def _measure(self, step: StepTimes) -> None:
+        """Time ``step``'s target pass and its levels, into its record and, where they teach, the
+        prices. A prompt chunk's pass is not the decoding pass the plans price (hundreds of rows,
+        long attention: learnt as one, it moved the machine's speed by up to 1.6x at batch 16), and
+        the root level holds the catch-up pass over the prompt tokens too: neither teaches."""
+        learn = not self.fixed
+        if step.target is not None:
+
+            def target(seconds: float) -> None:
+                step.target_s = seconds
+                if learn and not step.prompt:
+                    self.prices.observe_target(step.tokens, seconds, verifies=step.verifies)
+
+            self.clock.measure(*step.target, target)
+        for i, ((start, rows), (end, _)) in enumerate(zip(step.levels, step.levels[1:])):
+            teaches = learn and not (i == 0 and step.prompt)
+
+            def level(seconds: float, rows: int = rows, teaches: bool = teaches) -> None:
+                step.draft_s += seconds
+                if teaches:
+                    self.prices.observe_level(rows, seconds)
+
+            self.clock.measure(start, end, level)
 
     def _learn_overheads(self, step: StepTimes, now: float) -> None:
         """Learn ``step``'s overhead and the time from its end to ``now``.
@@ -157,74 +233,49 @@ class AdaptiveBudget:
         it built no tree, its overhead is not the head's.
         """
         end = step.end if step.end is not None else now
-        other = max(end - step.host - step.target - step.draft, 0.0)
+        other = max(end - step.host - step.target_s - step.draft_s, 0.0)
         teaches = not step.prompt and not step.lookup_only
         self.prices.observe_overheads(
             other if teaches else None, step.verifies or step.drafted, now - end, end - step.host
         )
 
-    def target_done(self) -> None:
-        """The step's target pass, sampling and verification are done (the drafter starts)."""
-        step = self.step
-        if step.mark is None:
+    def _learn_sent(self, sent: Sent) -> None:
+        """The drafts per request the allocation sends, by batch size, which the plans size trees for
+        (unless the head's levels went unrun)."""
+        counts = sent.counts
+        if not counts or sent.head_skipped:
             return
-        # A prompt chunk's pass is not the decoding pass the plans price (hundreds of rows, long
-        # attention): learnt as one, it moved the machine's speed by up to 1.6x (batch 16).
-        learn = not self.fixed and not step.prompt
+        was = self._sent.get(len(counts), float(self.max_nodes))
+        if sent.plan.drafts:
+            seen = sent.total / len(counts)
+            if sent.total >= sent.plan.per_request * len(counts):
+                seen = min(seen + 1.0, self.max_nodes)  # all sent: more might have been
+            self._sent[len(counts)] = was + SENT_RATE * (seen - was)
+        else:
+            self._sent[len(counts)] = was + SENT_RECOVERY * (self.max_nodes - was)
 
-        def sink(seconds: float) -> None:
-            step.target = seconds
-            if learn:
-                self.prices.observe_target(step.tokens, seconds, verifies=step.verifies)
+    # -- plan ----------------------------------------------------------------------------------
+    def plan(self, batch: int, max_rows: int | None = None) -> StepBudget:
+        """This step's :class:`StepBudget` for ``batch`` requests, its plan narrowed to a draft level
+        of at most ``max_rows`` rows (:func:`fit_level_rows`; None: as planned).
 
-        self.clock.measure(step.mark, self.clock.mark(), sink)
-        step.mark = None
+        First every rank takes rank 0's learnt costs (``agree``): the plan and the step's later
+        decisions then come alike on every rank, from host state that is the same everywhere and
+        device state that vLLM keeps the same.
+        """
+        self.prices.agree(self.agree)
+        costs = self.prices.costs()
+        plan = self._draft_plan(batch, costs)
+        fitted = plan if max_rows is None else fit_level_rows(plan, batch, max_rows)
+        return StepBudget(fitted, fitted is not plan, costs, self.acceptance, self.max_tokens)
 
-    def level_started(self, rows: int) -> None:
-        """A draft level over ``rows`` rows starts (the root level, then each expansion)."""
-        self.step.levels.append((self.clock.mark(), rows))
-
-    def drafting_done(self) -> None:
-        """The last level ended: each level is timed from its start to the next one's."""
-        step = self.step
-        levels, step.levels = step.levels, []
-        if not levels:
-            return
-        levels.append((self.clock.mark(), 0))
-        for i, ((start, rows), (end, _)) in enumerate(zip(levels, levels[1:])):
-            # The root level holds the catch-up pass, over the prompt tokens too: not a level's price.
-            learn = not self.fixed and not (i == 0 and step.prompt)
-
-            def sink(seconds: float, rows: int = rows, learn: bool = learn) -> None:
-                step.draft += seconds
-                if learn:
-                    self.prices.observe_level(rows, seconds)
-
-            self.clock.measure(start, end, sink)
-
-    def after_sync(self) -> None:
-        """The drafter's host sync completed: read the copied acceptance and pending timings."""
-        self.clock.resolve()
-        self.acceptance.read_host_copy()
-
-    # -- decisions -----------------------------------------------------------------------------
-    def _step_prices(self) -> dict[str, Any]:
-        """The prices :meth:`plan` froze for this step (the current ones before any plan)."""
-        return self._frozen if self._frozen is not None else self.prices.costs()
-
-    def plan(self, batch: int) -> DraftPlan:
-        """This step's draft shape for ``batch`` requests.
+    def _draft_plan(self, batch: int, costs: dict[str, Any]) -> DraftPlan:
+        """The draft shape for ``batch`` requests at ``costs``.
 
         Cached per batch size for ``REPLAN_STEPS`` steps, unless the cost model now prices the
         cached plan, or a step without drafts, ``REPLAN_DRIFT`` away from what it did when it
         chose: a plan chosen on a price the first steps proved wrong is dropped at once.
-
-        First every rank takes rank 0's learnt costs (``agree``), and the step's prices are frozen:
-        the plan, :meth:`chains_alone_pay` and :meth:`allocate` then decide alike on every rank, from
-        host state that is the same everywhere and device state that vLLM keeps the same.
         """
-        self.prices.agree(self.agree)
-        costs = self._frozen = self.prices.costs(frozen=True)
         self._plans_made += 1
         now_step = self._plans_made
         cached = self._plans.get(batch)
@@ -250,60 +301,6 @@ class AdaptiveBudget:
         seconds = step_cost(plan, batch, **costs) if plan.drafts else none
         self._plans[batch] = (now_step, plan, seconds, none)
         return plan
-
-    def chains_alone_pay(self, plan: DraftPlan, reach: np.ndarray) -> bool:
-        """Whether lookup chains ([B, L] ``reach``) alone beat ``plan`` beside them (decisions)."""
-        return chains_alone_pay(plan, reach, **self._step_prices())
-
-    def allocate(
-        self, plan: DraftPlan, values: Tensor, depths: Tensor, allowed: Tensor, grafted: Tensor | None = None
-    ) -> Tensor:
-        """Drafts per request [B] for this step's trees (see :func:`allocate_nodes`; ``grafted``:
-        [B, N] bool lookup nodes or None)."""
-        batch, n = values.shape
-        costs = self._step_prices()
-        j = np.arange(batch * n + 1, dtype=np.float64)
-        seconds = costs["verify"](batch + j) + costs["draft_overhead"]
-        # Sending no drafts after all spares the next step its verification.
-        seconds[0] = step_cost(NO_DRAFTS, batch, **costs)
-        seconds = seconds + draft_seconds(plan, batch, costs["level"])
-        # More verified tokens never cost less: the overheads of the two kinds of step are learnt
-        # apart, and priced below none, a draft that gains nothing looked worth sending.
-        seconds = np.maximum.accumulate(seconds)
-        step_seconds = to_device(seconds.astype(np.float32), values.device)
-        return allocate_nodes(
-            values,
-            depths,
-            allowed,
-            self.acceptance.correction(),
-            step_seconds,
-            grafted,
-            max_drafts=self.max_tokens - batch,
-        )
-
-    def count_step(self, plan: DraftPlan, counts: list[int], head_skipped: bool = False) -> None:
-        """The step's drafting ended: ``plan`` and the drafts sent for each request (``head_skipped``:
-        the head drafted nothing of ``plan``, lookup chains went alone)."""
-        total = sum(counts)
-        if counts and not head_skipped:
-            sent = self._sent.get(len(counts), float(self.max_nodes))
-            if plan.drafts:
-                seen = total / len(counts)
-                if total >= plan.per_request * len(counts):
-                    seen = min(seen + 1.0, self.max_nodes)  # all sent: more might have been
-                self._sent[len(counts)] = sent + SENT_RATE * (seen - sent)
-            else:
-                self._sent[len(counts)] = sent + SENT_RECOVERY * (self.max_nodes - sent)
-        step = self.step
-        step.drafted = total > 0
-        step.lookup_only = total > 0 and (head_skipped or not plan.drafts)
-        step.end = time.perf_counter()
-        self.acceptance.decay()
-        self.counters.count(plan.depth, plan.topk, counts, head_skipped)
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_INTERVAL_S:
-            self._logged_at = now
-            logger.info("eagle2 adaptive budget: %s", json.dumps(self.summary()))
 
     def summary(self) -> dict[str, Any]:
         """Counters since start, the drafts sent per request by batch size, the acceptance of each

@@ -135,13 +135,6 @@ class CostCurve:
         """[3 * knots] float64: calibrated knots, live knots (NaN = unset) and their weights."""
         return np.concatenate([self._base, self._live, self._weight])
 
-    def copy(self) -> CostCurve:
-        """An independent curve in the same state."""
-        other = CostCurve.__new__(CostCurve)
-        other.knots = self.knots
-        other.load_state(self.state())
-        return other
-
     def load_state(self, state: np.ndarray) -> None:
         """Take another curve's :meth:`state` (same knots)."""
         self._base, self._live, self._weight = (np.array(part) for part in np.split(state, 3))

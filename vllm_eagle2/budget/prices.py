@@ -113,12 +113,11 @@ class Prices:
         gap /= self.speed
         self.between += OVERHEAD_RATE * min(gap - self.between, self.between or step)
 
-    def costs(self, frozen: bool = False) -> dict[str, Any]:
+    def costs(self) -> dict[str, Any]:
         """The cost model as :func:`~vllm_eagle2.budget.decisions.plan_draft` and ``step_cost`` take
-        it; ``frozen``: on copies of the curves, which the step's own timings (a draft level's,
-        before the allocation) leave as they are."""
+        it, on the live curves: the budget learns only as a step starts, so they hold for a step."""
         speed, drafting = self.speed, self.drafting_speed
-        target, verify, level = (c.copy() if frozen else c for c in (self.target, self.verify, self.level))
+        target, verify, level = self.target, self.verify, self.level
         if self.draft_overhead is None:
             draft_overhead = speed * self.overhead
         else:

@@ -20,12 +20,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from vllm_eagle2.device import to_device
+
+
+class CatchUpHead(Protocol):
+    """The drafter as the waiting rows see it (:class:`~vllm_eagle2.engine.proposer.Eagle2Proposer`).
+
+    method: ``"eagle"`` or ``"eagle3"`` (whose head reads the target's auxiliary rows);
+    block_size: the KV cache's block size; catch_up_pass: one causal head pass over rows of
+    tokens [R] (target ids), positions [R] and the target's hidden states [R, H'], with ``cad``'s
+    attention metadata, writing the head's K/V at those positions.
+    """
+
+    method: str
+    block_size: int
+
+    def catch_up_pass(
+        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, cad: Any
+    ) -> None: ...
+
 
 #: Steps whose rows may wait; the next one runs them. Bounds the rows kept (MAX_STEPS x batch) and
 #: how far prefix-cached blocks may lag in head KV.
@@ -214,3 +232,45 @@ def waiting_rows_metadata(cad: Any, rows: CatchUpRows, block_size: int) -> tuple
         is_prefilling=None,
     )
     return metadata, positions
+
+
+def rows_wait(
+    queue: DeferredCatchUp, head: CatchUpHead, runner: Any, batch: int, step: Any, sampled: Any, cad: Any
+) -> bool:
+    """Keep this step's catch-up rows in ``queue``, if they may wait (:func:`rows_may_wait`); with
+    the queue at its length, run them with the waiting ones, in one head pass. ``runner``: vLLM's
+    model runner, whose step inputs the rows are copied from; ``step``: the
+    :class:`~.step_state.Eagle2Step`. Returns whether the rows waited (False: the step's own
+    catch-up pass runs them, after the waiting rows)."""
+    if cad is None or not rows_may_wait(step, batch, sampled, runner.discard_request_mask.np[:batch]):
+        return False
+    qsl = runner.query_start_loc.np[: batch + 1]
+    total = int(qsl[-1])
+    full = not queue.has_room(total)
+    if full and queue.rows + total > queue.max_rows:
+        return False
+    hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
+    rows = torch.cat(hidden[1:], dim=-1) if head.method == "eagle3" else hidden[0]
+    starts = runner.input_batch.num_computed_tokens_cpu[:batch]
+    queue.defer(
+        step_rows(runner.input_batch.req_ids[:batch], qsl, starts, runner.input_ids.gpu, rows, sampled)
+    )
+    if full:
+        run_waiting(queue, head, runner, cad, starts + np.diff(qsl))
+    return True
+
+
+def run_waiting(
+    queue: DeferredCatchUp, head: CatchUpHead, runner: Any, cad: Any, next_positions: np.ndarray
+) -> None:
+    """The rows waiting in ``queue``, in one causal head pass that writes the head's KV at their
+    positions, before the catch-up at ``next_positions`` ([B] host, each request's next row) reads
+    it. ``cad``: this step's attention metadata (its block table)."""
+    if not queue.waiting:
+        return
+    req_ids = runner.input_batch.req_ids[: len(next_positions)]
+    waiting = queue.take({rid: i for i, rid in enumerate(req_ids)}, next_positions)
+    if waiting is None:
+        return
+    caught_up, positions = waiting_rows_metadata(cad, waiting, head.block_size)
+    head.catch_up_pass(waiting.tokens, positions, waiting.hidden, caught_up)

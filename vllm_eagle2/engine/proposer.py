@@ -30,7 +30,7 @@ from vllm_eagle2.budget.decisions import DraftPlan, fit_level_rows
 from vllm_eagle2.config import Eagle2Settings, env_flag
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_may_wait, step_rows, waiting_rows_metadata
+from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_wait, run_waiting
 from vllm_eagle2.engine.eligibility import EligibleRequests, warn_of_default_blockers
 from vllm_eagle2.engine.expansion import TreeExpander
 from vllm_eagle2.engine.head_vocab import HeadVocabulary
@@ -145,32 +145,33 @@ class Eagle2Proposer(EagleProposer):
         and its catch-up waits (:mod:`.catch_up`): the head does no work and vLLM's drafter
         preparation is skipped. Else None: vLLM prepares the drafter's inputs and calls :meth:`propose`.
         """
-        choice = step.draft = self._choose(batch, sampled, limit)
-        if choice.plan.drafts or not self._rows_wait(batch, step, sampled, cad):
+        choice = step.draft = self._choose(batch, step, sampled, limit)
+        if choice.plan.drafts or not rows_wait(self.catch_up, self, self.runner, batch, step, sampled, cad):
             return None
         step.draft = None
         if choice.chains is None:
-            return self._send_none(choice, batch)
+            return self._send_none(choice, step, batch)
         tree = lookup_chain_tree(choice.chains, limit)
         # Each request's context ends after this step's rows: the root is its last.
         ends = self.runner.input_batch.num_computed_tokens_cpu[:batch] + np.diff(
             self.runner.query_start_loc.np[: batch + 1]
         )
         fits = to_device(ends + tree.num_nodes <= self.max_model_len, choice.buckets.device)
-        return self._send(tree, fits, choice, limit)
+        return self._send(tree, fits, choice, step, limit)
 
-    def _choose(self, batch: int, sampled: Any, limit: int) -> DraftChoice:
+    def _choose(self, batch: int, step: Eagle2Step, sampled: Any, limit: int) -> DraftChoice:
         """The step's one drafting choice: none, lookup chains alone, the head's tree, or the head's
         tree with chains grafted in (:class:`~.step_state.DraftChoice`)."""
         copy = self.lookup.copy_sampled(sampled) if self.lookup is not None else None
-        budget = self.budget
-        if budget is None:
-            plan = self._full_plan
+        if step.times is not None:
+            step.times.target_done()
+        share = None if self.budget is None else self.budget.plan(batch, self.max_num_tokens)
+        if share is None:
+            fitted = fit_level_rows(self._full_plan, batch, self.max_num_tokens)
+            self.counters.narrowed_steps += fitted is not self._full_plan
         else:
-            budget.target_done()
-            plan = budget.plan(batch)
-        fitted = fit_level_rows(plan, batch, self.max_num_tokens)
-        self.counters.narrowed_steps += fitted is not plan
+            fitted = share.plan
+            self.counters.narrowed_steps += share.narrowed
         chains = None
         if self.lookup is not None and batch:
             # A step without head drafts may still send long matches' chains: they cost no head
@@ -184,8 +185,8 @@ class Eagle2Proposer(EagleProposer):
         # Confident chains may leave the head's levels unrun: the budget weighs them alone against
         # the plan beside them (a batch-wide choice, as a level runs for the whole batch).
         head_skipped = False
-        if head and chains is not None and budget is not None and self.head_skip:
-            head_skipped = budget.chains_alone_pay(fitted, chains.reach(limit))
+        if head and chains is not None and share is not None and self.head_skip:
+            head_skipped = share.chains_alone_pay(chains.reach(limit))
         buckets = chains.buckets if chains is not None else torch.full((batch,), -1, device=self.device)
         return DraftChoice(
             plan=fitted,
@@ -193,27 +194,8 @@ class Eagle2Proposer(EagleProposer):
             chains=None if chains is None else chains.chains,
             buckets=buckets,
             head_skipped=head_skipped,
+            budget=share,
         )
-
-    def _rows_wait(self, batch: int, step: Eagle2Step, sampled: Any, cad: Any) -> bool:
-        """Keep this step's catch-up rows for later (:mod:`.catch_up`), if they may wait; with the
-        queue at its length, run them with the waiting ones, in one head pass."""
-        runner, queue = self.runner, self.catch_up
-        if cad is None or not rows_may_wait(step, batch, sampled, runner.discard_request_mask.np[:batch]):
-            return False
-        qsl = runner.query_start_loc.np[: batch + 1]
-        total = int(qsl[-1])
-        full = not queue.has_room(total)
-        if full and queue.rows + total > queue.max_rows:
-            return False  # propose runs the waiting rows, then this step's catch-up
-        hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
-        rows = torch.cat(hidden[1:], dim=-1) if self.method == "eagle3" else hidden[0]
-        starts = runner.input_batch.num_computed_tokens_cpu[:batch]
-        req_ids = runner.input_batch.req_ids[:batch]
-        queue.defer(step_rows(req_ids, qsl, starts, runner.input_ids.gpu, rows, sampled))
-        if full:
-            self._run_waiting_catch_up(cad, starts + np.diff(qsl))
-        return True
 
     def propose(  # noqa: D417 - same signature as vLLM's EagleProposer.propose
         self,
@@ -244,6 +226,7 @@ class Eagle2Proposer(EagleProposer):
         batch = cad.batch_size()
         last_hidden, hidden, sample_idx, root_pos = self._catch_up(
             choice,
+            step,
             target_token_ids,
             target_positions,
             target_hidden_states,
@@ -253,12 +236,11 @@ class Eagle2Proposer(EagleProposer):
             num_rejected_tokens_gpu,
         )
         if not choice.head and choice.chains is None:
-            return self._send_none(choice, batch)
+            return self._send_none(choice, step, batch)
         if not choice.head:
             tree = lookup_chain_tree(choice.chains, num_speculative_tokens)
-            return self._send(
-                tree, root_pos + 1 + tree.num_nodes <= self.max_model_len, choice, num_speculative_tokens
-            )
+            fits = root_pos + 1 + tree.num_nodes <= self.max_model_len
+            return self._send(tree, fits, choice, step, num_speculative_tokens)
         expander = TreeExpander(
             self,
             cad,
@@ -266,7 +248,7 @@ class Eagle2Proposer(EagleProposer):
             hidden[sample_idx],
             region_capacity=self.settings.draft_kv_slots,
             max_model_len=self.max_model_len,
-            on_level=None if self.budget is None else self.budget.level_started,
+            on_level=None if step.times is None else step.times.level_started,
         )
         tree = build_dynamic_tree(
             self.vocab.logits(last_hidden[sample_idx]),
@@ -278,11 +260,12 @@ class Eagle2Proposer(EagleProposer):
             token_ids=self.vocab.token_ids,
             lookup=choice.chains,
         )
-        return self._send(tree, expander.fits, choice, num_speculative_tokens)
+        return self._send(tree, expander.fits, choice, step, num_speculative_tokens)
 
     def _catch_up(
         self,
         choice: DraftChoice,
+        step: Eagle2Step,
         target_token_ids: torch.Tensor,
         target_positions: torch.Tensor,
         target_hidden_states: torch.Tensor,
@@ -295,9 +278,11 @@ class Eagle2Proposer(EagleProposer):
         (vLLM's own EAGLE first pass). Returns the head's last hidden states and hidden states
         [T, H], the rows of the roots [B] and the roots' positions [B] int64."""
         batch = cad.batch_size()
-        self._run_waiting_catch_up(cad, self.runner.input_batch.num_computed_tokens_cpu[:batch])
-        if self.budget is not None and choice.head:
-            self.budget.level_started(batch)  # the root level, its catch-up pass included
+        run_waiting(
+            self.catch_up, self, self.runner, cad, self.runner.input_batch.num_computed_tokens_cpu[:batch]
+        )
+        if step.times is not None and choice.head:
+            step.times.level_started(batch)  # the root level, its catch-up pass included
         if self.method == "eagle3":
             target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
@@ -313,20 +298,26 @@ class Eagle2Proposer(EagleProposer):
         root_pos = self._get_positions(num_tokens)[sample_idx].long()  # [B] position of the root
         return last_hidden, hidden, sample_idx, root_pos
 
-    def _send_none(self, choice: DraftChoice, batch: int) -> list[list[int]]:
+    def _send_none(self, choice: DraftChoice, step: Eagle2Step, batch: int) -> list[list[int]]:
         """A step that sends no drafts."""
         self.proposed = None
-        if self.budget is not None:
-            self.budget.count_step(choice.plan, [0] * batch)
+        if step.times is not None:
+            step.times.drafts_sent(choice.plan, [0] * batch)
         return [[] for _ in range(batch)]
 
-    def _send(self, tree: DraftTree, fits: torch.Tensor, choice: DraftChoice, limit: int) -> list[list[int]]:
+    def _send(
+        self, tree: DraftTree, fits: torch.Tensor, choice: DraftChoice, step: Eagle2Step, limit: int
+    ) -> list[list[int]]:
         """The drafts of ``tree`` this step sends (:func:`~.sending.send_drafts`); the tree is kept
         for the verifier. fits: [B] bool, the request's tree fits its context."""
         batch = len(fits)
         req_ids = list(self.runner.input_batch.req_ids[:batch])
         eligible = self.eligible.rows(self.runner.requests, req_ids)
-        drafts, self.proposed = send_drafts(tree, fits, eligible, req_ids, choice, limit, self.budget)
+        if step.times is not None:
+            step.times.drafting_done()
+        drafts, self.proposed = send_drafts(tree, fits, eligible, req_ids, choice, limit)
+        if step.times is not None:
+            step.times.drafts_sent(choice.plan, [len(d) for d in drafts], choice.head_skipped)
         return drafts
 
     def run_level(
@@ -378,22 +369,14 @@ class Eagle2Proposer(EagleProposer):
         self.head_passes += 1
         return last[:num_tokens], hidden[:num_tokens]
 
-    def _run_waiting_catch_up(self, cad: Any, next_positions: np.ndarray) -> None:
-        """The catch-up rows of the steps that sent no drafts, in one causal head pass that writes
-        the head's KV at their positions, before the catch-up at ``next_positions`` ([B] host, each
-        request's next row) reads it."""
-        if not self.catch_up.waiting:
-            return
-        req_ids = self.runner.input_batch.req_ids[: len(next_positions)]
-        waiting = self.catch_up.take({rid: i for i, rid in enumerate(req_ids)}, next_positions)
-        if waiting is None:
-            return
-        rows = len(waiting.positions)
-        caught_up, positions = waiting_rows_metadata(cad, waiting, self.block_size)
-        hidden = waiting.hidden
+    def catch_up_pass(
+        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, cad: Any
+    ) -> None:
+        """One causal head pass over waiting catch-up rows (:class:`~.catch_up.CatchUpHead`)."""
+        rows = len(positions)
         if self.method == "eagle3":
             hidden = self.model.combine_hidden_states(hidden)
-        self.input_ids[:rows] = waiting.tokens
+        self.input_ids[:rows] = tokens
         self.positions[:rows] = positions
         self.hidden_states[:rows] = hidden
-        self._run_head(caught_up, rows, first_pass=True)  # catch-up rows: the head's first pass
+        self._run_head(cad, rows, first_pass=True)  # catch-up rows: the head's first pass

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_eagle2.budget.adaptive import AdaptiveBudget
-from vllm_eagle2.budget.decisions import NO_DRAFTS
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine.step_state import DraftChoice, ProposedTrees
 from vllm_eagle2.tree import DraftTree, off_leading_chain
@@ -18,7 +16,6 @@ def send_drafts(
     req_ids: list[str],
     choice: DraftChoice,
     limit: int,
-    budget: AdaptiveBudget | None,
 ) -> tuple[list[list[int]], ProposedTrees]:
     """The drafts of ``tree`` this step sends, at most ``limit`` per request, cut to the budget's
     counts (None: every allowed node, up to the first one not allowed), and the trees they came
@@ -26,7 +23,7 @@ def send_drafts(
 
     fits: [B] bool, the request's tree fits its context; eligible: [B] host, its sampler is one
     the tree verifier reproduces (:mod:`.eligibility`); req_ids: the B request ids; choice: the
-    step's drafting choice (its plan prices the allocation).
+    step's drafting choice (its budget, if adaptive, allocates the drafts).
     """
     tokens = tree.tokens
     grafted = tree.grafted if tree.grafted is not None else torch.zeros_like(tokens, dtype=torch.bool)
@@ -34,18 +31,12 @@ def send_drafts(
     # and never a node without a token (a row without a chain, in a step of chains alone).
     n_out = min(limit, tree.num_nodes)
     allowed = (fits & to_device(eligible, fits.device)).unsqueeze(1) & (tokens[:, :n_out] >= 0)
-    if budget is None:
+    if choice.budget is None:
         counts = torch.cummin(allowed.to(torch.int8), dim=1).values.sum(dim=1)
     else:
-        budget.drafting_done()
-        counts = budget.allocate(
-            NO_DRAFTS if choice.head_skipped else choice.plan,
-            tree.scores[:, :n_out],
-            tree.depths[:, :n_out],
-            allowed,
-            grafted[:, :n_out],
+        counts = choice.budget.allocate(
+            tree.scores[:, :n_out], tree.depths[:, :n_out], allowed, grafted[:, :n_out], choice.head_skipped
         )
-        budget.acceptance.copy_to_host()
     sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
     off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
     # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.
@@ -61,7 +52,4 @@ def send_drafts(
         off_chain=host[:, n_out + 1 :].astype(bool),
     )
     drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]
-    if budget is not None:
-        budget.after_sync()
-        budget.count_step(choice.plan, [len(d) for d in drafts], choice.head_skipped)
     return drafts, proposed

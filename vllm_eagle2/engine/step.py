@@ -37,15 +37,17 @@ def begin(runner: GPUModelRunner) -> Iterator[Eagle2Step]:
         yield step
 
 
-def started(runner: GPUModelRunner, scheduler_output: SchedulerOutput) -> None:
-    """2. ``_prepare_inputs``, before vLLM's: the budget's step timer starts (prompt chunks apart:
-    their pass is not the decoding pass the plans price). The timings are the budget's
-    (:class:`~vllm_eagle2.budget.adaptive.StepTimes`), which learns from them at the next start."""
+def started(runner: GPUModelRunner, step: Eagle2Step, scheduler_output: SchedulerOutput) -> None:
+    """2. ``_prepare_inputs``, before vLLM's: the budget learns from the step before, and this step's
+    record opens (``step.times``: its scheduled tokens, prompt chunks apart, as their pass is not
+    the decoding pass the plans price; whether it verifies drafts), which the step fills as it runs
+    (:meth:`~vllm_eagle2.budget.adaptive.AdaptiveBudget.learn`)."""
     budget = runner.drafter.budget
     if budget is not None:
         total = scheduler_output.total_num_scheduled_tokens
         drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-        budget.step_started(total, total - len(scheduler_output.num_scheduled_tokens) - drafts)
+        prompt = total - len(scheduler_output.num_scheduled_tokens) - drafts
+        step.times = budget.learn(total, prompt, verifies=drafts > 0)
 
 
 def prepare(runner: GPUModelRunner, step: Eagle2Step, spec_meta: SpecDecodeMetadata | None) -> None:

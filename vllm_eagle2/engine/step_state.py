@@ -14,9 +14,11 @@ import numpy as np
 import torch
 
 from vllm_eagle2.budget.decisions import DraftPlan
+from vllm_eagle2.budget.timing import StepTimes
 from vllm_eagle2.graft import LookupChains
 
 if TYPE_CHECKING:
+    from vllm_eagle2.budget.adaptive import StepBudget
     from vllm_eagle2.engine.attention import TreeForward
 
 
@@ -32,6 +34,8 @@ class Eagle2Step:
         like the accepted tokens.
     drafted: the drafter ran this step (else vLLM's drafts are zero-filled, and none are sent).
     draft: what the drafter chose to draft, from ``begin_step`` to ``propose``.
+    times: the step's record for the adaptive budget (its timings, what it sent), which the budget
+        learns from when the next step starts; None without the adaptive budget.
     """
 
     forward: TreeForward | None = None
@@ -39,6 +43,7 @@ class Eagle2Step:
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     drafted: bool = False
     draft: DraftChoice | None = None
+    times: StepTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,11 @@ class DraftChoice:
     ``chains``), lookup chains alone (``head`` False), the head's tree (no ``chains``), or the
     head's tree with the chains grafted in.
 
-    plan: the budget's draft shape, fitted to the head's rows; head: the head drafts a tree (else it
-    runs its catch-up pass at most); chains: the requests' lookup chains, or None; buckets: [B]
-    int64 their match-length buckets (-1 = no chain); head_skipped: the plan has head levels, but
-    confident chains go alone (the allocation then prices no levels).
+    plan: the draft shape, fitted to the head's rows; head: the head drafts a tree (else it runs its
+    catch-up pass at most); chains: the requests' lookup chains, or None; buckets: [B] int64 their
+    match-length buckets (-1 = no chain); head_skipped: the plan has head levels, but confident
+    chains go alone (the allocation then prices no levels); budget: the adaptive budget's share of
+    the step, which allocates its drafts (None: a fixed budget, every allowed node is sent).
     """
 
     plan: DraftPlan
@@ -58,6 +64,7 @@ class DraftChoice:
     chains: LookupChains | None
     buckets: torch.Tensor
     head_skipped: bool = False
+    budget: StepBudget | None = None
 
 
 @dataclass

@@ -78,7 +78,7 @@ def patch_runner_forward() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         if not _is_eagle2(self):
             return prepare_inputs(self, scheduler_output, *args, **kwargs)
-        eagle2_step.started(self, scheduler_output)
+        eagle2_step.started(self, self._eagle2_step, scheduler_output)
         if scheduler_output.scheduled_spec_decode_tokens:
             out = prepare_inputs(self, scheduler_output, *args, **kwargs)
         else:
