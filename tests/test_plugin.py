@@ -799,35 +799,55 @@ def test_vllm_without_speculation_still_builds_on_an_unsupported_vllm(on_unsuppo
 
 
 @pytest.fixture
-def isa_where_vllm_picks_amx(monkeypatch):
-    """vLLM's CPU attention ISA choice, as patched by the plugin, on a CPU where vLLM picks "amx"."""
+def layout_where_vllm_picks_amx(monkeypatch):
+    """``layout(method)``: the KV layout vLLM's CPU attention builder settles on, as patched by the
+    plugin, in an engine whose speculative method is ``method`` (None: none), on a CPU where vLLM
+    picks "amx"; returns (the builder's, its layers')."""
+    from types import SimpleNamespace
+
     from vllm.v1.attention.backends import cpu_attn
 
     from vllm_eagle2 import patches
 
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, **kwargs: "amx")
-    monkeypatch.setitem(patches._state, "cpu_isa_vec", False)
+    builder = cpu_attn.CPUAttentionMetadataBuilder
+
+    def vllm_init(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        self.isa = "amx"
+        self._set_isa_to_layers(layer_names)
+
+    monkeypatch.setattr(builder, "__init__", vllm_init)
+    monkeypatch.setattr(
+        builder, "_set_isa_to_layers", lambda self, names: setattr(self, "layers_isa", self.isa)
+    )
     monkeypatch.delenv(patches.VEC_LAYOUT_ENV, raising=False)
     patches._patch_cpu_attention()
-    return cpu_attn._get_attn_isa
+
+    def layout(method: str | None) -> tuple[str, str]:
+        config = SimpleNamespace(
+            speculative_config=None if method is None else SimpleNamespace(method=method)
+        )
+        made = builder(None, ["model.layers.0.self_attn.attn"], config, "cpu")
+        return made.isa, made.layers_isa
+
+    return layout
 
 
-def test_engines_without_eagle2_keep_vllms_amx_kv_layout(isa_where_vllm_picks_amx):
-    assert isa_where_vllm_picks_amx() == "amx"
+def test_engines_without_eagle2_keep_vllms_amx_kv_layout(layout_where_vllm_picks_amx):
+    assert layout_where_vllm_picks_amx(None) == ("amx", "amx")
+    assert layout_where_vllm_picks_amx("eagle") == ("amx", "amx")
 
 
-def test_eagle2_engines_get_the_vec_kv_layout_tree_attention_reads(isa_where_vllm_picks_amx, monkeypatch):
-    from vllm_eagle2 import patches
-
-    monkeypatch.setitem(patches._state, "cpu_isa_vec", True)  # what an eagle2 runner sets
-    assert isa_where_vllm_picks_amx() == "vec"
+def test_eagle2_engines_get_the_vec_kv_layout_tree_attention_reads(layout_where_vllm_picks_amx):
+    assert layout_where_vllm_picks_amx("eagle2") == ("vec", "vec")
 
 
-def test_vec_layout_env_gives_engines_without_eagle2_the_vec_kv_layout(isa_where_vllm_picks_amx, monkeypatch):
+def test_vec_layout_env_gives_engines_without_eagle2_the_vec_kv_layout(
+    layout_where_vllm_picks_amx, monkeypatch
+):
     from vllm_eagle2 import patches
 
     monkeypatch.setenv(patches.VEC_LAYOUT_ENV, "1")
-    assert isa_where_vllm_picks_amx() == "vec"
+    assert layout_where_vllm_picks_amx(None) == ("vec", "vec")
 
 
 # -- Ray workers -------------------------------------------------------------------------------

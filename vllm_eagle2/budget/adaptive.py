@@ -46,6 +46,7 @@ from vllm_eagle2.budget.decisions import (
 from vllm_eagle2.budget.prices import Prices
 from vllm_eagle2.budget.summary import StepCounters
 from vllm_eagle2.budget.timing import Sent, StepTimes
+from vllm_eagle2.config import Eagle2Settings
 from vllm_eagle2.device import to_device
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
@@ -151,6 +152,23 @@ class AdaptiveBudget:
         self._plans_made = 0
         self._sent: dict[int, float] = {}  # batch -> drafts per request sent
         self._logged_at = time.monotonic()
+
+    @classmethod
+    def of(
+        cls, settings: Eagle2Settings, max_batch: int, max_tokens: int, device: torch.device
+    ) -> AdaptiveBudget:
+        """The budget of an engine with these eagle2 ``settings``, ``max_batch`` requests and
+        ``max_tokens`` tokens a step (vLLM's ``max_num_seqs`` and ``max_num_batched_tokens``)."""
+        chain = settings.tree == "chain"
+        return cls(
+            depth=settings.depth,
+            topk=1 if chain else settings.topk,
+            max_nodes=settings.nodes_per_step,
+            chain=chain,
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            device=device,
+        )
 
     @property
     def fixed(self) -> bool:

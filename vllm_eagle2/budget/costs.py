@@ -207,21 +207,25 @@ def fixed_costs() -> dict[str, Any] | None:
     return costs
 
 
+#: A point in time on a :class:`Clock`: host seconds (CPU) or a recorded CUDA event.
+Mark = float | torch.cuda.Event
+
+
 class Clock:
     """Durations on the host (CPU) or as CUDA events, resolved once the device reached them."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.pending: list[tuple[Any, Any, Callable[[float], None]]] = []
+        self.pending: list[tuple[Mark, Mark, Callable[[float], None]]] = []
 
-    def mark(self) -> Any:
+    def mark(self) -> Mark:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def measure(self, start: Any, end: Any, sink: Callable[[float], None]) -> None:
+    def measure(self, start: Mark, end: Mark, sink: Callable[[float], None]) -> None:
         """Call ``sink(seconds)`` for ``start -> end``, now on CPU, after :meth:`resolve` on CUDA."""
         if self.cuda:
             self.pending.append((start, end, sink))

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from vllm_eagle2.budget.costs import Clock
+from vllm_eagle2.budget.costs import Clock, Mark
 from vllm_eagle2.budget.decisions import DraftPlan
 
 
@@ -46,12 +45,12 @@ class StepTimes:
 
     clock: Clock
     host: float
-    start: Any
+    start: Mark
     tokens: int
     prompt: bool
     verifies: bool
-    target: tuple[Any, Any] | None = None
-    levels: list[tuple[Any, int]] = field(default_factory=list)
+    target: tuple[Mark, Mark] | None = None
+    levels: list[tuple[Mark, int]] = field(default_factory=list)
     sent: Sent | None = None
     end: float | None = None
     target_s: float = 0.0

@@ -36,13 +36,17 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_eagle2.config import UNQUANTIZED_KV_DTYPES
 from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
 from vllm_eagle2.kernels.warmup import AttentionCache
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionImpl
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
@@ -136,7 +140,7 @@ def tree_batch(batch: TreeBatch | None = None) -> Iterator[TreeForward]:
         _active = None
 
 
-def _layout_of(impl: Any) -> str:
+def _layout_of(impl: AttentionImpl) -> str:
     name = type(impl).__name__
     if "DiffKV" in name:  # FLASH_ATTN_DIFFKV / TRITON_ATTN_DIFFKV keep K and V in another layout
         raise RuntimeError(
@@ -154,7 +158,7 @@ def _layout_of(impl: Any) -> str:
     )
 
 
-def unsupported_features(impl: Any) -> list[str]:
+def unsupported_features(impl: AttentionImpl) -> list[str]:
     """What an attention layer's impl applies that the tree kernel does not (empty = none).
 
     The tree rows are recomputed by :func:`paged_tree_attention`, which knows plain softmax
@@ -178,7 +182,7 @@ def unsupported_features(impl: Any) -> list[str]:
 
 
 def _tree_forward(
-    impl: Any,
+    impl: AttentionImpl,
     layer: Any,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -265,7 +269,7 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
         impl._eagle2_wrapped = True
 
 
-def check_kernel_blocks(kv_cache_config: Any, kernel_block_sizes: list[int] | None) -> None:
+def check_kernel_blocks(kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None) -> None:
     """Refuse kernel blocks that split the KV manager's blocks (vLLM 0.32 splits them for some
     backends and hybrid models): tree attention and the K/V moves index the manager's block table.
 

@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from vllm_eagle2.device import to_device
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2.engine.step_state import Eagle2Step
 
 
 class CatchUpHead(Protocol):
@@ -41,7 +47,11 @@ class CatchUpHead(Protocol):
     block_size: int
 
     def catch_up_pass(
-        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, cad: Any
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cad: CommonAttentionMetadata,
     ) -> None: ...
 
 
@@ -162,7 +172,9 @@ class DeferredCatchUp:
         }
 
 
-def rows_may_wait(step: Any, batch: int, sampled: Any, discarded: np.ndarray) -> bool:
+def rows_may_wait(
+    step: Eagle2Step | None, batch: int, sampled: torch.Tensor | list[list[int]], discarded: np.ndarray
+) -> bool:
     """Whether a step's catch-up rows may wait: it verified no drafts and discards no sample
     (``discarded``: [B] bool host, a partial prefill's), ``sampled`` is a [B, 1] tensor, and the
     target's hidden-state rows (:class:`~.step_state.Eagle2Step`) are at hand."""
@@ -198,7 +210,9 @@ def step_rows(
     return WaitingStep(list(req_ids), counts, positions, hidden[:total].clone(), tokens)
 
 
-def waiting_rows_metadata(cad: Any, rows: CatchUpRows, block_size: int) -> tuple[Any, torch.Tensor]:
+def waiting_rows_metadata(
+    cad: CommonAttentionMetadata, rows: CatchUpRows, block_size: int
+) -> tuple[CommonAttentionMetadata, torch.Tensor]:
     """vLLM's attention metadata for one causal head pass over ``rows``, from this step's ``cad``
     (its block table, in batch order); and the rows' positions [R] on the device.
 
@@ -235,7 +249,13 @@ def waiting_rows_metadata(cad: Any, rows: CatchUpRows, block_size: int) -> tuple
 
 
 def rows_wait(
-    queue: DeferredCatchUp, head: CatchUpHead, runner: Any, batch: int, step: Any, sampled: Any, cad: Any
+    queue: DeferredCatchUp,
+    head: CatchUpHead,
+    runner: GPUModelRunner,
+    batch: int,
+    step: Eagle2Step,
+    sampled: torch.Tensor | list[list[int]],
+    cad: CommonAttentionMetadata | None,
 ) -> bool:
     """Keep this step's catch-up rows in ``queue``, if they may wait (:func:`rows_may_wait`); with
     the queue at its length, run them with the waiting ones, in one head pass. ``runner``: vLLM's
@@ -261,7 +281,11 @@ def rows_wait(
 
 
 def run_waiting(
-    queue: DeferredCatchUp, head: CatchUpHead, runner: Any, cad: Any, next_positions: np.ndarray
+    queue: DeferredCatchUp,
+    head: CatchUpHead,
+    runner: GPUModelRunner,
+    cad: CommonAttentionMetadata,
+    next_positions: np.ndarray,
 ) -> None:
     """The rows waiting in ``queue``, in one causal head pass that writes the head's KV at their
     positions, before the catch-up at ``next_positions`` ([B] host, each request's next row) reads

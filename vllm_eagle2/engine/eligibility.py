@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
 
 
-def supports_tree_drafting(sampling_params: Any) -> bool:
+def supports_tree_drafting(sampling_params: SamplingParams) -> bool:
     """Whether the tree verifier reproduces this request's sampler exactly.
 
     Penalties, logit processors and grammars look at the tokens before each position; the

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from vllm_eagle2.device import to_device
 from vllm_eagle2.engine import attention
 from vllm_eagle2.kernels import pack_tree_mask
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 #: The cache slot of a write that must not happen (vLLM's cache writers skip it).
 PAD_SLOT = -1
@@ -33,7 +36,11 @@ class HeadRunner(Protocol):
     block_size: int
 
     def run_level(
-        self, tokens: torch.Tensor, positions: torch.Tensor, parent_hidden: torch.Tensor, cad: Any
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        parent_hidden: torch.Tensor,
+        cad: CommonAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -51,7 +58,7 @@ class TreeExpander:
     def __init__(
         self,
         head: HeadRunner,
-        cad: Any,
+        cad: CommonAttentionMetadata,
         root_pos: torch.Tensor,
         root_hidden: torch.Tensor,
         *,

@@ -21,7 +21,7 @@ drafter is: a request's text lives on the host. Everything after it is batched o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from vllm_eagle2.device import to_device
 from vllm_eagle2.graft import LookupChains
 from vllm_eagle2.lookup import OutputCache, SuffixIndex
 from vllm_eagle2.verify.paths import accepted_and_reached
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 #: Chains are valued by the length of the match they continue: bucket i holds matches of at least
 #: ``MATCH_BUCKETS[i]`` tokens (and fewer than the next bound).
@@ -109,7 +112,7 @@ class LookupDrafts:
             if self.cache is not None and index is not None:
                 self.cache.add(index.tail(min(seen - prompt_len, len(index))))
 
-    def copy_sampled(self, sampled: Any) -> SampledCopy | None:
+    def copy_sampled(self, sampled: torch.Tensor | list[list[int]]) -> SampledCopy | None:
         """This step's sampled tokens on their way to the host: a device tensor [B, W] (-1 = none)
         whose copy starts now, or None where vLLM has already written host lists into the runner's
         text (nothing to add)."""
@@ -124,7 +127,7 @@ class LookupDrafts:
         return SampledCopy(host, event)
 
     def chains(
-        self, runner: Any, req_ids: list[str], sampled: SampledCopy | None, min_bucket: int = 0
+        self, runner: GPUModelRunner, req_ids: list[str], sampled: SampledCopy | None, min_bucket: int = 0
     ) -> StepChains | None:
         """Each request's chain, after its index takes the step's ``sampled`` tokens; None when no
         request has one. Chains of a bucket below ``min_bucket`` are dropped (the requests' indexes
@@ -150,7 +153,7 @@ class LookupDrafts:
         return StepChains(chains, buckets_d, rates, (tokens >= 0).sum(1))
 
     def _extend_and_match(
-        self, runner: Any, req_ids: list[str], sampled: np.ndarray | None
+        self, runner: GPUModelRunner, req_ids: list[str], sampled: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each request's index takes its new text (and its ``sampled`` [B, W] tokens, -1 padded,
         unless discarded); returns its chain's tokens [B, L] (-1 padded), its match-length bucket

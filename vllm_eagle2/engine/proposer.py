@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
@@ -33,6 +32,7 @@ from vllm_eagle2.engine import attention
 from vllm_eagle2.engine.catch_up import DeferredCatchUp, rows_wait, run_waiting
 from vllm_eagle2.engine.eligibility import EligibleRequests, warn_of_default_blockers
 from vllm_eagle2.engine.expansion import TreeExpander
+from vllm_eagle2.engine.head_passes import HeadPasses
 from vllm_eagle2.engine.head_vocab import HeadVocabulary
 from vllm_eagle2.engine.lookup_drafts import ALONE_MIN_BUCKET, HEAD_SKIP_ENV, LookupDrafts
 from vllm_eagle2.engine.ranks import rank_agreement
@@ -42,14 +42,23 @@ from vllm_eagle2.engine.verification import VerifyCounters
 from vllm_eagle2.head_files import EAGLE3
 from vllm_eagle2.tree import DraftTree, build_dynamic_tree, lookup_chain_tree
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-class Eagle2Proposer(EagleProposer):
+
+class Eagle2Proposer(HeadPasses, EagleProposer):
     """vLLM's EagleProposer with the chain loop replaced by EAGLE-2 tree drafting.
 
-    A subclass, so every ``isinstance(drafter, EagleProposer)`` path of the runner stays on.
+    A subclass, so every ``isinstance(drafter, EagleProposer)`` path of the runner stays on; its
+    head passes are :class:`~.head_passes.HeadPasses`'.
     """
 
-    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, device: torch.device, runner: GPUModelRunner | None = None
+    ) -> None:
         super().__init__(vllm_config, device, runner)
         self.runner = runner  # vLLM's proposer does not keep it; we read the batch's request ids
         self.settings: Eagle2Settings = vllm_config.speculative_config.eagle2
@@ -70,15 +79,7 @@ class Eagle2Proposer(EagleProposer):
         s = self.settings
         if s.budget == "adaptive":
             sched = vllm_config.scheduler_config
-            self.budget = AdaptiveBudget(
-                depth=s.depth,
-                topk=1 if s.tree == "chain" else s.topk,
-                max_nodes=s.nodes_per_step,
-                chain=s.tree == "chain",
-                max_batch=sched.max_num_seqs,
-                max_tokens=sched.max_num_batched_tokens,
-                device=device,
-            )
+            self.budget = AdaptiveBudget.of(s, sched.max_num_seqs, sched.max_num_batched_tokens, device)
             self.budget.agree = rank_agreement()
         self._full_plan = DraftPlan(
             depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
@@ -92,7 +93,7 @@ class Eagle2Proposer(EagleProposer):
 
     # -- model ---------------------------------------------------------------------------
     def initialize_attn_backend(
-        self, kv_cache_config: Any, kernel_block_sizes: list[int] | None = None
+        self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
         attention.check_kernel_blocks(kv_cache_config, kernel_block_sizes)
@@ -132,7 +133,12 @@ class Eagle2Proposer(EagleProposer):
             self.lookup.forget(req_ids)
 
     def begin_step(
-        self, batch: int, sampled: Any, step: Eagle2Step, cad: Any = None, limit: int = 0
+        self,
+        batch: int,
+        sampled: torch.Tensor | list[list[int]],
+        step: Eagle2Step,
+        cad: CommonAttentionMetadata | None = None,
+        limit: int = 0,
     ) -> list[list[int]] | None:
         """Choose this step's drafting for its ``batch`` requests (``step.draft``), before vLLM
         prepares the drafter's inputs.
@@ -159,7 +165,9 @@ class Eagle2Proposer(EagleProposer):
         fits = to_device(ends + tree.num_nodes <= self.max_model_len, choice.buckets.device)
         return self._send(tree, fits, choice, step, limit)
 
-    def _choose(self, batch: int, step: Eagle2Step, sampled: Any, limit: int) -> DraftChoice:
+    def _choose(
+        self, batch: int, step: Eagle2Step, sampled: torch.Tensor | list[list[int]], limit: int
+    ) -> DraftChoice:
         """The step's one drafting choice: none, lookup chains alone, the head's tree, or the head's
         tree with chains grafted in (:class:`~.step_state.DraftChoice`)."""
         copy = self.lookup.copy_sampled(sampled) if self.lookup is not None else None
@@ -205,7 +213,7 @@ class Eagle2Proposer(EagleProposer):
         target_hidden_states: torch.Tensor,
         next_token_ids: torch.Tensor,
         token_indices_to_sample: torch.Tensor | None,
-        common_attn_metadata: Any,
+        common_attn_metadata: CommonAttentionMetadata,
         sampling_metadata: Any,
         mm_embed_inputs: Any = None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
@@ -271,7 +279,7 @@ class Eagle2Proposer(EagleProposer):
         target_hidden_states: torch.Tensor,
         next_token_ids: torch.Tensor,
         token_indices_to_sample: torch.Tensor | None,
-        cad: Any,
+        cad: CommonAttentionMetadata,
         num_rejected_tokens_gpu: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The waiting rows, then the head's first pass over the tokens the target just accepted
@@ -319,64 +327,3 @@ class Eagle2Proposer(EagleProposer):
         if step.times is not None:
             step.times.drafts_sent(choice.plan, [len(d) for d in drafts], choice.head_skipped)
         return drafts
-
-    def run_level(
-        self, tokens: torch.Tensor, positions: torch.Tensor, parent_hidden: torch.Tensor, cad: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft level's head pass (:class:`~vllm_eagle2.engine.expansion.HeadRunner`)."""
-        rows = tokens.shape[0]
-        # The head's inputs go through the proposer's persistent buffers, as vLLM's own draft loop
-        # feeds them: a compiled head was traced on those (int32 ids; a guard-free compiled graph
-        # reads an int64 id tensor as int32 pairs, and the drafts after the first level were noise),
-        # and its CUDA graphs read them.
-        self.input_ids[:rows] = self.vocab.token_ids(tokens)
-        self.positions[:rows] = positions
-        self.hidden_states[:rows] = parent_hidden
-        last_hidden, hidden = self._run_head(cad, rows, first_pass=False)
-        return self.vocab.logits(last_hidden), hidden
-
-    def _run_head(self, cad: Any, num_tokens: int, *, first_pass: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward over ``num_tokens`` rows with ``cad``'s attention metadata; returns
-        (last hidden states, hidden states), each ``[num_tokens, H]``.
-
-        Run as vLLM's own draft loop runs its passes: the inputs come from the proposer's persistent
-        buffers (the first pass fills them in ``set_inputs_first_pass``, a level before calling),
-        padded to a size the dispatcher knows, and replayed from its piecewise CUDA graph where one
-        was captured (vLLM captures the head at start-up). Attention runs between the graph's
-        pieces, so the tree side channel still reaches it.
-        """
-        _, per_layer = self.build_per_group_and_layer_attn_metadata(cad)
-        mode, padded, across_dp = self._determine_batch_execution_and_padding(num_tokens)
-        if first_pass:
-            model_kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, padded, None)
-        else:
-            model_kwargs = {
-                "input_ids": self.input_ids[:padded],
-                "positions": self._get_positions(padded),
-                "hidden_states": self.hidden_states[:padded],
-            }
-            slot_size = padded
-        with set_forward_context(
-            per_layer,
-            self.vllm_config,
-            num_tokens=padded,
-            num_tokens_across_dp=across_dp,
-            cudagraph_runtime_mode=mode,
-            slot_mapping=self._get_slot_mapping(slot_size, cad.slot_mapping),
-        ):
-            out = self.model(**model_kwargs)
-        last, hidden = out if self.model_returns_tuple() else (out, out)
-        self.head_passes += 1
-        return last[:num_tokens], hidden[:num_tokens]
-
-    def catch_up_pass(
-        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, cad: Any
-    ) -> None:
-        """One causal head pass over waiting catch-up rows (:class:`~.catch_up.CatchUpHead`)."""
-        rows = len(positions)
-        if self.method == "eagle3":
-            hidden = self.model.combine_hidden_states(hidden)
-        self.input_ids[:rows] = tokens
-        self.positions[:rows] = positions
-        self.hidden_states[:rows] = hidden
-        self._run_head(cad, rows, first_pass=True)  # catch-up rows: the head's first pass

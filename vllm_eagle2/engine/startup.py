@@ -15,6 +15,8 @@ from vllm_eagle2.kernels import HAS_TRITON, vocab_topk
 from vllm_eagle2.kernels.warmup import StepLimits, warm_up_kernels
 
 if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     from vllm_eagle2.engine.proposer import Eagle2Proposer
 
 logger = logging.getLogger("vllm.eagle2")
@@ -60,7 +62,7 @@ def warm_up(proposer: Eagle2Proposer) -> int:
     return launches
 
 
-def calibrate_budget(proposer: Eagle2Proposer, runner: Any) -> None:
+def calibrate_budget(proposer: Eagle2Proposer, runner: GPUModelRunner) -> None:
     """Time the target and one draft level for the adaptive budget (at engine start)."""
     if proposer.budget is None:
         return
@@ -97,7 +99,7 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: Any) -> None:
     proposer.budget.calibrate(time_target, time_level)
 
 
-def verification_peak(runner: Any) -> tuple[int, int, int]:
+def verification_peak(runner: GPUModelRunner) -> tuple[int, int, int]:
     """The widest verification a step of this engine can run: (requests, draft width, logits rows).
 
     Requests up to ``max_num_seqs``; the width the verifier pads to is at most
@@ -107,7 +109,7 @@ def verification_peak(runner: Any) -> tuple[int, int, int]:
     return batch, width, min(batch * (width + 1), runner.max_num_tokens)
 
 
-def profile_verification(runner: Any, vocab: int) -> None:
+def profile_verification(runner: GPUModelRunner, vocab: int) -> None:
     """Run the tree verifier once at :func:`verification_peak`, sampled with top-k and top-p, beside
     K/V kept for every tree row, inside vLLM's memory profile (its ``_dummy_sampler_run``).
 

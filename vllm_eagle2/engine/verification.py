@@ -19,7 +19,7 @@ Per step, for the requests that carry drafts:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,13 +27,19 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2.device import cuda_path, to_device
 from vllm_eagle2.engine import attention
-from vllm_eagle2.engine.step_state import Eagle2Step, MatchedTrees, VerifyStep
+from vllm_eagle2.engine.step_state import Eagle2Step, MatchedTrees, ProposedTrees, VerifyStep
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify.verifier import verify_tree
 
+if TYPE_CHECKING:
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_eagle2.engine.attention import TreeForward
+
 
 def _padded_drafts(
-    meta: Any, device: torch.device, width: int
+    meta: SpecDecodeMetadata, device: torch.device, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scheduled draft tokens [B, N] (-1 padded), valid mask [B, N], counts [B].
 
@@ -52,7 +58,7 @@ def _padded_drafts(
     return tokens, valid, n
 
 
-def _verify_width(runner: Any, counts: list[int]) -> int:
+def _verify_width(runner: GPUModelRunner, counts: list[int]) -> int:
     """Draft width N the verifier pads this step's trees to.
 
     With the fixed budget, the configured drafts per step: fixed shapes, and a seeded request
@@ -71,14 +77,18 @@ def _verify_width(runner: Any, counts: list[int]) -> int:
 
 
 def _matched_trees(
-    drafter: Any, req_ids: list[str], tokens: torch.Tensor, valid: torch.Tensor, counts: np.ndarray
+    store: ProposedTrees | None,
+    req_ids: list[str],
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    counts: np.ndarray,
 ) -> MatchedTrees:
-    """Each request's drafts as its stored tree, else as a chain. counts: [B] drafts scheduled."""
+    """Each request's drafts as its tree in ``store`` (the drafter's, proposed last step), else as a
+    chain. counts: [B] drafts scheduled."""
     batch, width = tokens.shape
     device = tokens.device
     col = torch.arange(width, device=device)
     chain = (col - 1).expand(batch, width)
-    store = drafter.proposed
     off_chain = np.zeros((batch, width), dtype=bool)
     if store is None or not req_ids:
         zeros = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -119,7 +129,9 @@ def _matched_trees(
     )
 
 
-def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
+def prepare_tree_verification(
+    runner: GPUModelRunner, step: Eagle2Step, meta: SpecDecodeMetadata | None
+) -> None:
     """Positions and attention masks for the trees of this step (after ``_prepare_inputs``);
     sets ``step.verify`` (None without drafts).
 
@@ -143,7 +155,9 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
     batch = len(meta.num_draft_tokens)
     counts = np.asarray(meta.num_draft_tokens, dtype=np.int64)
     tokens, valid, n = _padded_drafts(meta, device, _verify_width(runner, meta.num_draft_tokens))
-    trees = _matched_trees(runner.drafter, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts)
+    trees = _matched_trees(
+        runner.drafter.proposed, list(runner.input_batch.req_ids[:batch]), tokens, valid, counts
+    )
     runner.drafter.counters.unmatched_drafts += (valid & ~trees.known).sum()
     width = tokens.shape[1]
     row_start_host = runner.query_start_loc.np[:batch].astype(np.int64)
@@ -162,8 +176,8 @@ def prepare_tree_verification(runner: Any, step: Eagle2Step, meta: Any) -> None:
 
 
 def _publish_tree_masks(
-    runner: Any,
-    forward: Any,
+    runner: GPUModelRunner,
+    forward: TreeForward,
     verify: VerifyStep,
     valid: torch.Tensor,
     spec: np.ndarray,
@@ -228,7 +242,9 @@ def _publish_tree_masks(
     runner.drafter.counters.count_tree_rows(spec.size, rows.size)
 
 
-def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta: Any) -> SamplerOutput:
+def sample_with_trees(
+    runner: GPUModelRunner, step: Eagle2Step, logits: torch.Tensor, meta: SpecDecodeMetadata
+) -> SamplerOutput:
     """Verify ``step.verify``'s trees; returns vLLM's SamplerOutput ([B, N + 1] int32, -1 padded)."""
     verify = step.verify
     sampling = runner.input_batch.sampling_metadata
@@ -290,7 +306,7 @@ def sample_with_trees(runner: Any, step: Eagle2Step, logits: torch.Tensor, meta:
 
 
 def _move_accepted_path(
-    runner: Any, step: Eagle2Step, accepted: torch.Tensor, num_accepted: torch.Tensor
+    runner: GPUModelRunner, step: Eagle2Step, accepted: torch.Tensor, num_accepted: torch.Tensor
 ) -> None:
     """Make rows (and KV slots) root + 1 .. root + k hold the accepted path, in order."""
     if accepted.numel() == 0:

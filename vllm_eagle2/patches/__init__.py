@@ -86,7 +86,7 @@ github.com/vllm-project/vllm issue or pull request N.
   Upstream: vllm#41481 (open: warm speculative-decoding kernels at start-up).
   Remove when: vLLM gives proposers a warm-up hook.
 * :mod:`.cpu_build` -- vLLM's CPU build only. Patched:
-  ``vllm.v1.attention.backends.cpu_attn._get_attn_isa``,
+  ``vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.__init__``,
   ``torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading`` (torch's),
   with ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` ``vllm.utils.cpu_triton_utils._expand_kernel_impl``; and the
   runner's ``_sample`` / ``_bookkeeping_sync`` hooks above.
@@ -107,17 +107,21 @@ Private vLLM methods relied on, besides the private ones patched above (whose si
 
 * ``vllm.v1.spec_decode.eagle.EagleProposer._get_positions``,
   ``vllm.v1.spec_decode.eagle.EagleProposer._determine_batch_execution_and_padding``,
-  ``vllm.v1.spec_decode.eagle.EagleProposer._get_slot_mapping``: engine/proposer.py,
-  ``Eagle2Proposer._run_head`` and ``propose`` (head passes run as vLLM's draft loop runs them).
+  ``vllm.v1.spec_decode.eagle.EagleProposer._get_slot_mapping``: engine/head_passes.py,
+  ``HeadPasses._run_head``, and engine/proposer.py, ``propose`` (head passes run as vLLM's draft
+  loop runs them).
 * ``vllm.v1.spec_decode.eagle.EagleProposer._get_eagle3_use_aux_hidden_state_from_config``:
   engine/proposer.py, ``Eagle2Proposer.__init__`` (EAGLE-3 heads).
 * ``vllm.v1.spec_decode.eagle.EagleProposer._draft_attn_layer_names`` (an attribute): engine/proposer.py,
   ``Eagle2Proposer.load_model`` (which attention layers are the target's).
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run``: engine/startup.py, ``calibrate_budget``
   (times the target alone).
+* ``vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder._set_isa_to_layers``:
+  patches/cpu_build.py, the builder's ``__init__`` (its layers take the "vec" layout too).
 
   Why: ``Eagle2Proposer`` subclasses ``EagleProposer`` and reuses its inputs, padding and CUDA-graph
-  dispatch. Upstream: vllm#36219 (RFC, open: proposer interface); none filed for ``_dummy_run``.
+  dispatch. Upstream: vllm#36219 (RFC, open: proposer interface); none filed for ``_dummy_run`` or
+  the CPU layout.
   Remove when: these are public (or the proposer interface offers them); ``tests/test_patch_index.py``
   fails on any private name read that is not listed here.
 """

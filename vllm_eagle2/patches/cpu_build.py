@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .record import set_attr, state
+from .record import set_attr
 
 #: Set to 1 to fix two bugs of vLLM's CPU build in engines that do not use eagle2 as well.
 FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
@@ -41,21 +41,28 @@ def discarded_cpu_generators(runner: Any) -> list[Any]:
 
 
 def patch_cpu_attention() -> None:
-    """An eagle2 engine's bf16 "amx" KV layout becomes "vec", which the tree attention reads."""
+    """An eagle2 engine's bf16 "amx" KV layout becomes "vec", which the tree attention reads.
+
+    Decided by each attention builder from its own engine's config, so that an engine without
+    eagle2 in the same process keeps vLLM's layout."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     from vllm.v1.attention.backends import cpu_attn
 
-    get_isa = cpu_attn._get_attn_isa
+    builder = cpu_attn.CPUAttentionMetadataBuilder
+    init = builder.__init__
 
-    def _get_attn_isa(*args, **kwargs) -> str:
-        isa = get_isa(*args, **kwargs)
-        vec = state.get("cpu_isa_vec") or os.environ.get(VEC_LAYOUT_ENV, "0") == "1"
-        return "vec" if isa == "amx" and vec else isa
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs) -> None:
+        init(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        eagle2 = spec is not None and spec.method == "eagle2"
+        if self.isa == "amx" and (eagle2 or os.environ.get(VEC_LAYOUT_ENV, "0") == "1"):
+            self.isa = "vec"
+            self._set_isa_to_layers(layer_names)
 
-    set_attr(cpu_attn, "_get_attn_isa", _get_attn_isa)
+    set_attr(builder, "__init__", __init__)
 
 
 def patch_cpu_compile_cache() -> None:

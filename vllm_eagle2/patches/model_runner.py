@@ -9,7 +9,7 @@ import inspect
 from typing import Any
 
 from . import cpu_build
-from .record import set_attr, state
+from .record import set_attr
 
 #: The attribute of a ModelRunnerOutput that carries an eagle2 step's drafts to the scheduler.
 DRAFTS_ATTR = "eagle2_draft_token_ids"
@@ -34,11 +34,7 @@ def patch_runner_setup() -> None:
         init(self, vllm_config, device, *args, **kwargs)
         spec = self.speculative_config
         self._eagle2_step = None  # an Eagle2Step from execute_model to the end of sample_tokens
-        eagle2 = spec is not None and spec.method == "eagle2"
-        # Read when this engine's CPU attention picks its KV layout; reset for every runner, so
-        # that an engine without eagle2 started later in the process keeps vLLM's layout.
-        state["cpu_isa_vec"] = eagle2
-        if eagle2:
+        if spec is not None and spec.method == "eagle2":
             self.drafter = Eagle2Proposer(self.vllm_config, self.device, self)
             self.use_aux_hidden_state_outputs = self.drafter.eagle3_use_aux_hidden_state
 

@@ -12,9 +12,8 @@ undo: list[Any] = []
 #: or class's qualified name, else ``<type>`` of the object changed (a dict, a dataclass field); a
 #: dict's name is ``[key]``.
 patched: list[tuple[str, str]] = []
-#: ``applied``: apply() succeeded in this process; ``error``: why it refused (then said once);
-#: ``cpu_isa_vec``: the runner being built is an eagle2 one (its CPU attention gets the "vec" layout).
-state: dict[str, Any] = {"applied": False, "error": None, "cpu_isa_vec": False}
+#: ``applied``: apply() succeeded in this process; ``error``: why it refused (then said once).
+state: dict[str, Any] = {"applied": False, "error": None}
 _MISSING = object()
 
 
