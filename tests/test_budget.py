@@ -541,6 +541,24 @@ def test_budget_times_verifying_steps_on_their_own_curve():
     assert budget.prices.verify.observed
 
 
+def test_a_steps_plan_prices_its_own_target_pass_once(monkeypatch):
+    """On CPU the plan sees the pass just run (the freshest news of the machine's speed); the next
+    start does not learn it again."""
+    now = fake_clock(monkeypatch)
+    budget = make_budget()
+    seen = []
+    observe = budget.prices.observe_target
+    monkeypatch.setattr(budget.prices, "observe_target", lambda *a, **k: seen.append(a) or observe(*a, **k))
+    times = budget.learn(4)
+    now[0] += 0.05
+    times.target_done()
+    budget.plan(4, times=times)
+    assert seen == [(4, pytest.approx(0.05))]
+    times.drafts_sent(NO_DRAFTS, [0] * 4)
+    budget.learn(4)
+    assert len(seen) == 1 and times.target_s == pytest.approx(0.05)
+
+
 def test_budget_learns_a_calibration_3_5x_too_cheap_within_five_steps():
     budget = make_budget()
     budget.prices.target = linear_curve(256, 0.01, 0.0)

@@ -3,13 +3,14 @@
 * **Prices** (:mod:`.prices`): :meth:`AdaptiveBudget.calibrate` times the target and one draft level at
   engine start; every step's passes and the rest of it then refine them. A step that verifies drafts
   is priced apart (its own ``verify`` curve and overhead): priced alike with a plain pass, drafting
-  went on at a loss. On CUDA the timings are events, read after the step's sync.
+  went on at a loss. On CUDA the timings are events, read when the next step starts.
 * **Acceptance** (:mod:`.acceptance`): the verifier adds each step's outcome to a small device table,
   copied with the drafter's own transfer.
 * **Three calls a step.** :meth:`AdaptiveBudget.learn` as the step starts, from the record of the
   step before (:class:`~vllm_eagle2.budget.timing.StepTimes`, which each step fills as it runs;
   the call returns the new step's);
-  :meth:`AdaptiveBudget.plan` before drafting (host), which returns the step's :class:`StepBudget`:
+  :meth:`AdaptiveBudget.plan` before drafting (host; given the step's record, it prices the target
+  pass just run), which returns the step's :class:`StepBudget`:
   the plan and the prices it was chosen at, which then decide whether lookup chains go alone
   (:meth:`StepBudget.chains_alone_pay`, host) and how many drafts each request sends
   (:meth:`StepBudget.allocate`, device).
@@ -188,7 +189,7 @@ class AdaptiveBudget:
 
         The step before teaches its target pass, its draft levels, its overheads (up to this start)
         and what it sent; the acceptance its drafts' transfer copied is read, and the table decays
-        once per drafting step. On CUDA its events have passed by now (vLLM synced on its sampled
+        once per step the drafter ran. On CUDA its events have passed by now (vLLM synced on its sampled
         tokens); one that has not resolves at a later start, straight into the prices.
         """
         times = StepTimes.begin(self.clock, tokens, prompt_tokens, verifies)
@@ -216,15 +217,8 @@ class AdaptiveBudget:
         prices. A prompt chunk's pass is not the decoding pass the plans price (hundreds of rows,
         long attention: learnt as one, it moved the machine's speed by up to 1.6x at batch 16), and
         the root level holds the catch-up pass over the prompt tokens too: neither teaches."""
+        self._measure_target(step)
         learn = not self.fixed
-        if step.target is not None:
-
-            def target(seconds: float) -> None:
-                step.target_s = seconds
-                if learn and not step.prompt:
-                    self.prices.observe_target(step.tokens, seconds, verifies=step.verifies)
-
-            self.clock.measure(*step.target, target)
         for i, ((start, rows), (end, _)) in enumerate(zip(step.levels, step.levels[1:])):
             teaches = learn and not (i == 0 and step.prompt)
 
@@ -234,6 +228,19 @@ class AdaptiveBudget:
                     self.prices.observe_level(rows, seconds)
 
             self.clock.measure(start, end, level)
+
+    def _measure_target(self, step: StepTimes) -> None:
+        """Time ``step``'s target pass, once (:meth:`_measure`)."""
+        if step.target is None:
+            return
+        (start, end), step.target = step.target, None
+
+        def target(seconds: float) -> None:
+            step.target_s = seconds
+            if not self.fixed and not step.prompt:
+                self.prices.observe_target(step.tokens, seconds, verifies=step.verifies)
+
+        self.clock.measure(start, end, target)
 
     def _learn_overheads(self, step: StepTimes, now: float) -> None:
         """Learn ``step``'s overhead and the time from its end to ``now``.
@@ -273,14 +280,18 @@ class AdaptiveBudget:
             self._sent[len(counts)] = was + SENT_RECOVERY * (self.max_nodes - was)
 
     # -- plan ----------------------------------------------------------------------------------
-    def plan(self, batch: int, max_rows: int | None = None) -> StepBudget:
+    def plan(self, batch: int, max_rows: int | None = None, times: StepTimes | None = None) -> StepBudget:
         """This step's :class:`StepBudget` for ``batch`` requests, its plan narrowed to a draft level
-        of at most ``max_rows`` rows (:func:`fit_level_rows`; None: as planned).
+        of at most ``max_rows`` rows (:func:`fit_level_rows`; None: as planned). ``times``: the
+        step's record, its target pass done: on CPU the plan prices it (a CUDA event resolves at
+        the next start), as a step's target pass is the freshest news of the machine's speed.
 
         First every rank takes rank 0's learnt costs (``agree``): the plan and the step's later
         decisions then come alike on every rank, from host state that is the same everywhere and
         device state that vLLM keeps the same.
         """
+        if times is not None:
+            self._measure_target(times)
         self.prices.agree(self.agree)
         costs = self.prices.costs()
         plan = self._draft_plan(batch, costs)

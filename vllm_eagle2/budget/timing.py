@@ -36,10 +36,10 @@ class StepTimes:
     clock: the budget's (host seconds on CPU, CUDA events); host: the step's start
     (``time.perf_counter``); tokens / prompt: its scheduled tokens, and whether prompt chunks are
     among them; verifies: it verifies drafts (the scheduler sent some).
-    target: the (start, end) marks of its target pass, sampling and verification; None until the
-    drafter starts. levels: the draft levels' (start mark, rows), the root level first (its
-    catch-up pass included), closed by a (mark, 0) once drafting is done. sent: what the drafter
-    sent (None: it did not run); end: the drafter's end (``time.perf_counter``).
+    target: the (start, end) marks of its target pass, sampling and verification, from the drafter's
+    start until the budget measures them. levels: the draft levels' (start mark, rows), the root
+    level first (its catch-up pass included), closed by a (mark, 0) once drafting is done. sent:
+    what the drafter sent (None: it did not run); end: the drafter's end (``time.perf_counter``).
     target_s / draft_s: seconds of the target pass and of the levels, once the clock resolves them.
     """
 

@@ -173,7 +173,7 @@ class Eagle2Proposer(HeadPasses, EagleProposer):
         copy = self.lookup.copy_sampled(sampled) if self.lookup is not None else None
         if step.times is not None:
             step.times.target_done()
-        share = None if self.budget is None else self.budget.plan(batch, self.max_num_tokens)
+        share = None if self.budget is None else self.budget.plan(batch, self.max_num_tokens, step.times)
         if share is None:
             fitted = fit_level_rows(self._full_plan, batch, self.max_num_tokens)
             self.counters.narrowed_steps += fitted is not self._full_plan
