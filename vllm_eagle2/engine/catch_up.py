@@ -268,7 +268,7 @@ def rows_wait(
     total = int(qsl[-1])
     full = not queue.has_room(total)
     if full and queue.rows + total > queue.max_rows:
-        return False
+        return False  # propose runs the waiting rows, then this step's catch-up
     hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
     rows = torch.cat(hidden[1:], dim=-1) if head.method == "eagle3" else hidden[0]
     starts = runner.input_batch.num_computed_tokens_cpu[:batch]

@@ -53,7 +53,7 @@ class Eagle2Proposer(HeadPasses, EagleProposer):
     """vLLM's EagleProposer with the chain loop replaced by EAGLE-2 tree drafting.
 
     A subclass, so every ``isinstance(drafter, EagleProposer)`` path of the runner stays on; its
-    head passes are :class:`~.head_passes.HeadPasses`'.
+    head passes are :class:`~.head_passes.HeadPasses`.
     """
 
     def __init__(
