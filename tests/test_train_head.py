@@ -346,6 +346,13 @@ def test_the_command_line_streams_features_in_bf16_into_a_checkpoint_it_names(
     assert eval_files  # the held-out set, extracted up front
     assert main([*argv, "--resume"]) == 0
     assert json.loads((out / "training.json").read_text())["steps_done"] == record["steps_done"]
+    # on a new machine (no --output left) the record kept beside the checkpoint gives the initial eval
+    assert record["initial_eval"]["rows"] > 0
+    (ckpt.parent / "training.json").write_text(json.dumps(record))
+    new_machine = [str(tmp_path / "new") if a == str(out) else a for a in argv]
+    assert main([*new_machine, "--resume"]) == 0
+    resumed = json.loads((tmp_path / "new" / "training.json").read_text())
+    assert resumed["initial_eval"] == record["initial_eval"]
 
 
 def test_bf16_is_chosen_only_where_the_cpu_has_bf16_dot_products_and_trains_in_bf16() -> None:

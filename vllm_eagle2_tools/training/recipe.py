@@ -263,11 +263,14 @@ def _initial_eval(
     extra_eval: dict[str, Any],
     checkpoint: Path,
 ) -> dict[str, Any] | None:
-    """The held-out metrics of the head before training; a resumed run reads them from the record it
-    left (None when it left none)."""
-    previous = args.output / "training.json"
+    """The held-out metrics of the head before training. A resumed run reads them from the record it
+    left in ``--output``, or on a new machine from the one kept beside the checkpoint (the heads'
+    convention: both are committed together); None when neither exists."""
     if args.resume and checkpoint.exists():
-        return json.loads(previous.read_text()).get("initial_eval") if previous.exists() else None
+        for previous in (args.output / "training.json", checkpoint.parent / "training.json"):
+            if previous.exists():
+                return json.loads(previous.read_text()).get("initial_eval")
+        return None
     t0 = time.perf_counter()
     init_eval = evaluate(head, fdir, eval_shards, args.batch_tokens)
     for name, shards in extra_eval.items():
