@@ -15,6 +15,14 @@ Example (35 minutes on 2 CPU cores for the five shards of a 462k-token run)::
 
 Writes ``FILE.json`` (every head's metrics and the fits), ``FILE.md`` (a table) and ``FILE.png``
 (top-1 against training tokens on a log scale, with the fits and the goal).
+
+``--head NAME=TRAINING_JSON`` (repeatable) draws released heads beside the line, from their
+``train_eagle_head.py`` records (final held-out top-1 at depths 1-3, training tokens), and gives the
+gain per doubling between them. ``--from-record FILE`` redraws an earlier output without training::
+
+    .venv/bin/python scripts/head_data_scaling.py --from-record results/head-scaling.json \
+        --head v8=heads/smollm2-135m-eagle/training.json \
+        --head v9=heads/smollm2-135m-eagle-v9/training.json --output results/head-scaling.json
 """
 
 import sys

@@ -83,7 +83,7 @@ def _run_script(
         ("bench_attention_layer.py", ["--dtype", "--context", "--tree", "--output"]),
         ("generate_replies.py", ["--init", "--set", "--slice-size", "--max-minutes", "--device"]),
         ("distill_target.py", ["--source", "--num-prompts", "--skip", "--max-tokens", "--output"]),
-        ("head_data_scaling.py", ["--features", "--shards", "--epochs", "--goal", "--output"]),
+        ("head_data_scaling.py", ["--features", "--shards", "--from-record", "--head", "--goal", "--output"]),
     ],
 )
 def test_script_help(script: str, flags: list[str]) -> None:

@@ -489,6 +489,57 @@ def test_data_scaling_trains_each_head_on_its_prefix_and_writes_table_and_plot(
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_released_heads_are_drawn_beside_a_recorded_line_with_their_gain_per_doubling(tmp_path: Path) -> None:
+    """--from-record redraws the line without training; --head reads a trainer record: the main held-out
+    split is ShareGPT when conversations were held out, else the MT-bench answers."""
+
+    def metrics(top1: float) -> dict:
+        return {"top1": top1, "top1_depth2": top1 - 0.1, "top1_depth3": top1 - 0.15, "top5": 0.7}
+
+    def trainer_record(tokens: int, conversations: int, final: dict) -> dict:
+        args = {"eval_conversations": conversations, "eval_replies": "mtbench"}
+        return {"args": args, "data": {"train_tokens": tokens}, "final_heldout": final}
+
+    line = tmp_path / "line.json"
+    rows = [
+        {
+            "tokens": t,
+            "train_seconds": 60.0,
+            "eval": {"ShareGPT": metrics(y), "distilled answers": metrics(y + 0.1)},
+        }
+        for t, y in ((100_000, 0.2), (200_000, 0.25))
+    ]
+    line.write_text(json.dumps({"command": "train cmd", "rows": rows}))
+    v8 = tmp_path / "v8.json"
+    v8.write_text(json.dumps(trainer_record(4_000_000, 0, metrics(0.50))))
+    v9 = tmp_path / "v9.json"
+    v9.write_text(
+        json.dumps(trainer_record(8_000_000, 24, {**metrics(0.40), "mtbench_replies": metrics(0.53)}))
+    )
+    out = tmp_path / "out.json"
+    argv = ["--from-record", str(line), "--head", f"v8={v8}", "--head", f"v9={v9}", "--output", str(out)]
+    assert scaling.main(argv) == 0
+
+    record = json.loads(out.read_text())
+    assert record["rows"] == rows and record["command"] == "train cmd"
+    v8_point, v9_point = record["heads"]
+    assert (
+        set(v8_point["eval"]) == {"distilled answers"}
+        and v8_point["eval"]["distilled answers"]["top1"] == 0.5
+    )
+    assert (
+        v9_point["eval"]["ShareGPT"]["top1"] == 0.4 and v9_point["eval"]["distilled answers"]["top1"] == 0.53
+    )
+    assert record["fits"]["ShareGPT"]["per_doubling"] == pytest.approx(0.05)
+    md = out.with_suffix(".md").read_text()
+    assert "| v9 | 8,000,000 | 40.0% / 30.0% / 25.0% | 53.0% / 43.0% / 38.0% |" in md
+    assert "v8 to v9 (x2.00 tokens), distilled answers: +3.0 points of top-1 per doubling" in md
+    assert "ShareGPT: +" not in md.split("v8 to v9")[1]  # v8 has no ShareGPT number: no gain claimed
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):  # a head needs NAME=FILE
+        scaling.parse_args(["--from-record", str(line), "--head", str(v8)])
+
+
 def test_two_layer_head_exports_in_vllms_format_and_matches_the_reference(
     setup: dict, tmp_path: Path
 ) -> None:

@@ -70,6 +70,29 @@ def run(
     return rows
 
 
+def released_head(name: str, record: dict[str, Any]) -> dict[str, Any]:
+    """A trained head as a point beside the line, from its ``train_eagle_head.py`` record:
+    ``{"name", "tokens": its training set's tokens, "eval": {set name: metrics}}`` with the record's
+    final held-out metrics under this module's set names. The main held-out split is ShareGPT when the
+    run held out conversations, else the MT-bench answers (``--eval-replies`` alone); a second split
+    named ``<eval_replies>_replies`` is the MT-bench answers."""
+    final, args = record["final_heldout"], record["args"]
+    answers = f"{args.get('eval_replies')}_replies"
+    main_set = "ShareGPT" if args.get("eval_conversations") else SPLIT_LABELS["eval_distilled"]
+    evals = {main_set: {k: v for k, v in final.items() if not isinstance(v, dict)}}
+    if isinstance(final.get(answers), dict):
+        evals[SPLIT_LABELS["eval_distilled"]] = final[answers]
+    return {"name": name, "tokens": record["data"]["train_tokens"], "eval": evals}
+
+
+def per_doubling(a: dict[str, Any], b: dict[str, Any], name: str) -> float | None:
+    """Top-1 points (as a fraction) per doubling of the data from head ``a`` to head ``b`` on held-out set
+    ``name``; None if either lacks the set or their data do not differ."""
+    if name not in a["eval"] or name not in b["eval"] or a["tokens"] == b["tokens"]:
+        return None
+    return (b["eval"][name]["top1"] - a["eval"][name]["top1"]) / math.log2(b["tokens"] / a["tokens"])
+
+
 #: The smallest ratio of the largest to the smallest training set that gets a fit: one doubling.
 MIN_FIT_SPAN = 2.0
 
@@ -95,10 +118,45 @@ def fits(rows: Sequence[dict[str, Any]], goal: float) -> dict[str, dict[str, flo
     return out
 
 
+def heads_markdown(heads: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
+    """The released heads' table (top-1 at depths 1 / 2 / 3 per held-out set), then the gain per
+    doubling of the data between each head and the next (by tokens)."""
+    lines = [
+        "",
+        "Released heads (trained longer and from earlier heads, held out on their own records' sets):",
+        "",
+        "| head | training tokens | " + " | ".join(f"{n} top-1 (depth 1 / 2 / 3)" for n in names) + " |",
+        "|" + "---|" * (2 + len(names)),
+    ]
+    for h in heads:
+        cells = [
+            " / ".join(f"{100 * h['eval'][n][k]:.1f}%" for k in ("top1", "top1_depth2", "top1_depth3"))
+            if n in h["eval"]
+            else "-"
+            for n in names
+        ]
+        lines.append(f"| {h['name']} | {h['tokens']:,} | " + " | ".join(cells) + " |")
+    lines.append("")
+    ordered = sorted(heads, key=lambda h: h["tokens"])
+    for a, b in zip(ordered, ordered[1:]):
+        for n in names:
+            d = per_doubling(a, b, n)
+            if d is not None:
+                lines.append(
+                    f"- {a['name']} to {b['name']} (x{b['tokens'] / a['tokens']:.2f} tokens), {n}: "
+                    f"{100 * d:+.1f} points of top-1 per doubling of the data"
+                )
+    return lines
+
+
 def markdown(
-    rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: float, command: str
+    rows: Sequence[dict[str, Any]],
+    fit: dict[str, dict[str, Any]],
+    goal: float,
+    command: str,
+    heads: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The table of every head's held-out top-1 / top-5, then one line per fit."""
+    """The table of every head's held-out top-1 / top-5, then one line per fit, then the released heads."""
     names = list(rows[0]["eval"])
     head = "| training tokens | training minutes | " + " | ".join(f"{n} top-1 / top-5" for n in names) + " |"
     lines = [f"`{command}`", "", head, "|" + "---|" * (2 + len(names))]
@@ -118,19 +176,29 @@ def markdown(
             f"- {n}: +{100 * f['per_doubling']:.1f} points of top-1 per doubling of the data; "
             f"{100 * goal:.0f}% at {reach} by this fit (optimistic: such curves bend down)"
         )
+    if heads:
+        lines += heads_markdown(heads, names)
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: float, path: Path) -> None:
-    """PNG: held-out top-1 against tokens (log scale), each fit drawn out to the goal (or 1000x the data)."""
+def plot(
+    rows: Sequence[dict[str, Any]],
+    fit: dict[str, dict[str, Any]],
+    goal: float,
+    path: Path,
+    heads: Sequence[dict[str, Any]] = (),
+) -> None:
+    """PNG: held-out top-1 against tokens (log scale), each fit drawn out to the goal (or 1000x the data),
+    and the released heads as labelled diamonds in their set's colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tokens = [r["tokens"] for r in rows]
+    hi_data = max([*tokens, *[h["tokens"] for h in heads]])
     reach = [f["tokens_for_goal"] for f in fit.values() if f and f["tokens_for_goal"]]
-    hi = max([max(tokens) * 4, *[min(t, max(tokens) * 1000) for t in reach]])
+    hi = max([hi_data * 4, *[min(t, max(tokens) * 1000) for t in reach]])
     xs = [min(tokens) * (hi / min(tokens)) ** (i / 50) for i in range(51)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, f in fit.items():
@@ -147,6 +215,15 @@ def plot(rows: Sequence[dict[str, Any]], fit: dict[str, dict[str, Any]], goal: f
             color=line.get_color(),
             label=f"fit: +{100 * f['per_doubling']:.1f} points per doubling",
         )
+        points = [h for h in heads if name in h["eval"]]
+        if points:
+            ys = [100 * h["eval"][name]["top1"] for h in points]
+            ax.plot([h["tokens"] for h in points], ys, "D-", color=line.get_color(), mfc="white",
+                    label=f"{name}: released heads")  # fmt: skip
+            for h, y in zip(points, ys):
+                ax.annotate(
+                    h["name"], (h["tokens"], y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
     ax.axhline(100 * goal, color="gray", lw=1)
     ax.text(min(tokens), 100 * goal + 0.5, f"goal {100 * goal:.0f}%", color="gray")
     ax.set_xscale("log")
@@ -170,12 +247,29 @@ def _prefixes(text: str) -> list[int]:
     return ks
 
 
+def _head(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=TRAINING_JSON, a train_eagle_head.py record")
+    return name, Path(path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     same = "as in train_eagle_head.py (every head the same)"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--features", type=Path, required=True, help="a feature run folder (holds manifest.json)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--features", type=Path, help="a feature run folder (holds manifest.json)")
+    source.add_argument(
+        "--from-record",
+        type=Path,
+        help="an earlier output JSON: redraw its line without training (to add --head)",
+    )
     p.add_argument("--target", type=Path, default=WORKDIR / "models" / "smollm2-135m-instruct")
-    p.add_argument("--shards", type=_prefixes, required=True, help="training-shard prefixes, e.g. 1,2,4")
+    p.add_argument("--shards", type=_prefixes, help="training-shard prefixes, e.g. 1,2,4 (with --features)")
+    p.add_argument(
+        "--head", type=_head, action="append", default=[], metavar="NAME=TRAINING_JSON",
+        help="a released head's record (its final held-out eval and training tokens), drawn beside the line",
+    )  # fmt: skip
     p.add_argument("--epochs", type=int, default=4, help=same)
     p.add_argument("--lr", type=float, default=1e-3, help=same)
     p.add_argument("--min-lr-ratio", type=float, default=0.05, help=same)
@@ -186,11 +280,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goal", type=float, default=0.6, help="top-1 to extrapolate the data for")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", type=Path, default=WORKDIR / "results" / "head-scaling.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.features is not None and args.shards is None:
+        p.error("--features needs --shards")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _train_line(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Trains one head per ``--shards`` prefix of ``--features``; the record's command, config and rows."""
     manifest_file = args.features / "manifest.json"
     if not manifest_file.exists():
         raise SystemExit(f"error: --features: no manifest.json in {args.features}")
@@ -217,12 +314,28 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     rows = run(args.target.resolve(), args.features.resolve(), train_shards, eval_sets, args.shards, cfg)
-    fit = fits(rows, args.goal)
+    return {"command": command, "config": vars(cfg), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    if args.from_record:
+        record = json.loads(args.from_record.read_text())
+        record["heads_command"] = command
+    else:
+        record = _train_line(args, command)
+    if args.head:
+        record["heads"] = [released_head(name, json.loads(path.read_text())) for name, path in args.head]
+    heads = record.get("heads", [])
+    rows, record["goal"] = record["rows"], args.goal
+    record["fits"] = fit = fits(rows, args.goal)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": command, "goal": args.goal, "config": vars(cfg), "rows": rows, "fits": fit}
     args.output.write_text(json.dumps(record, indent=1, default=str))
-    args.output.with_suffix(".md").write_text(markdown(rows, fit, args.goal, command))
-    plot(rows, fit, args.goal, args.output.with_suffix(".png"))
-    print(args.output.with_suffix(".md").read_text())
+    md = markdown(rows, fit, args.goal, record["command"], heads)
+    if record.get("heads_command"):
+        md += f"\nHeads drawn by `{record['heads_command']}`\n"
+    args.output.with_suffix(".md").write_text(md)
+    plot(rows, fit, args.goal, args.output.with_suffix(".png"), heads)
+    print(md)
     return 0
