@@ -90,7 +90,7 @@ def per_doubling(a: dict[str, Any], b: dict[str, Any], name: str) -> float | Non
     ``name``; None if either lacks the set or their data do not differ."""
     if name not in a["eval"] or name not in b["eval"] or a["tokens"] == b["tokens"]:
         return None
-    return (b["eval"][name]["top1"] - a["eval"][name]["top1"]) / math.log2(b["tokens"] / a["tokens"])
+    return fit_log_linear([a["tokens"], b["tokens"]], [a["eval"][name]["top1"], b["eval"][name]["top1"]])[1]
 
 
 #: The smallest ratio of the largest to the smallest training set that gets a fit: one doubling.
