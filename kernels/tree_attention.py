@@ -24,19 +24,18 @@ all (only possible with ``C == 0`` and an empty mask row) gets a zero output.
 The caches are ``[num_blocks, Hkv, block_size, D]`` tensors that may be
 arbitrarily strided views; :mod:`.kv_cache` makes such views of vLLM's caches.
 
-Three interchangeable backends, one module each, all behind :func:`paged_tree_attention`
+Two interchangeable backends, one module each, both behind :func:`paged_tree_attention`
 (which checks the arguments' shapes once, :mod:`.tree_attention_checks`, and picks one):
 
-* ``"cpp"``    -- a C++ CPU kernel (:mod:`.tree_attention_cpp`): the CPU path inside vLLM;
-  validates the index values.
-* ``"torch"``  -- batched pure torch (:mod:`.tree_attention_torch`): the test oracle, and the
-  CPU path where the C++ kernel cannot be built; validates the index values (one host sync).
+* ``"torch"``  -- batched pure torch (:mod:`.tree_attention_torch`): the test oracle;
+  validates the index values (one host sync).
 * ``"triton"`` -- split-KV (flash-decoding) Triton kernels (:mod:`.tree_attention_triton`),
   the CUDA path.  Needs no host sync; does no value validation (out-of-range lengths cannot
   cause out-of-bounds mask/block-table reads but give unspecified outputs).
 
 Every backend can keep the index work that all layers of one forward share in the caller's
-``plan_cache``.
+``plan_cache``. On CPU, vLLM's caches are read by :mod:`.tree_attention_cpu` instead, in the
+layout vLLM chose (its ``"amx"`` layout has no strided view).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import torch
 
 from ._triton import HAS_TRITON
 from .tree_attention_checks import check_args
-from .tree_attention_cpp import cpu_backend, paged_tree_attention_cpp
 from .tree_attention_torch import paged_tree_attention_torch
 from .tree_attention_triton import paged_tree_attention_triton
 
@@ -53,18 +51,14 @@ __all__ = ["paged_tree_attention"]
 
 
 def _resolve_backend(backend: str, query: torch.Tensor) -> str:
-    """``"cpp"``, ``"torch"`` or ``"triton"``: ``backend`` itself, or for ``"auto"`` Triton when
-    ``query`` is on CUDA and Triton is importable (torch when it is not), on CPU
-    :func:`~vllm_eagle2.kernels.cpu_backend`.  Raises ValueError for an unknown name; runs before
-    the argument checks, so ``query`` may still be anything."""
+    """``"torch"`` or ``"triton"``: ``backend`` itself, or for ``"auto"`` Triton when ``query`` is
+    on CUDA and Triton is importable, else torch.  Raises ValueError for an unknown name; runs
+    before the argument checks, so ``query`` may still be anything."""
     if backend == "auto":
         on_cuda = isinstance(query, torch.Tensor) and query.is_cuda
-        if on_cuda:
-            backend = "triton" if HAS_TRITON else "torch"
-        else:
-            backend = cpu_backend()
-    if backend not in ("cpp", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'cpp', 'torch' or 'triton', got {backend!r}")
+        backend = "triton" if on_cuda and HAS_TRITON else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     return backend
 
 
@@ -108,16 +102,14 @@ def paged_tree_attention(
             ``>= q_r`` and bits ``>= T`` are ignored.
         scale: softmax scale (usually ``D ** -0.5``).
         out: optional ``[Q, H, D]`` output (query's dtype/device, any strides).
-        backend: ``"cpp"``, ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when the
-            query is on CUDA and Triton is importable; on CPU
-            :func:`~vllm_eagle2.kernels.cpu_backend`).
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton when the query is on CUDA
+            and Triton is importable, else torch).
         plan_cache: optional dict owned by the caller, shared by calls whose index
             tensors (``block_table`` .. ``mask``) are the same, e.g. every layer of one
             forward: the torch backend validates and indexes them once and keeps the
             result there (measured on CPU, 30 layer calls of a 9-query tree over 400
-            context tokens: 24 ms -> 16 ms); the C++ backend its int64 copies of them; Triton
-            its tile table, int32 lengths and scratch, so that a layer's call is only its
-            kernel launches.
+            context tokens: 24 ms -> 16 ms); Triton its tile table, int32 lengths and
+            scratch, so that a layer's call is only its kernel launches.
         max_context_len: optional host-side upper bound of ``context_lens`` (Triton only: it
             sizes the split of the context over programs, never affects the result; default
             ``max_blocks * block_size``).
@@ -127,7 +119,7 @@ def paged_tree_attention(
 
     Raises:
         ValueError: an argument has the wrong shape/dtype/device, unknown
-            ``backend``; (torch and cpp backends) inconsistent lengths.
+            ``backend``; (torch backend) inconsistent lengths.
     """
     backend = _resolve_backend(backend, query)
     tensors = (query, key_cache, value_cache, block_table, query_start_loc, context_lens, region_lens, mask)
@@ -136,8 +128,6 @@ def paged_tree_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if backend == "torch":
         paged_tree_attention_torch(*tensors, scale, out, plan_cache)
-    elif backend == "cpp":
-        paged_tree_attention_cpp(*tensors, scale, out, plan_cache)
     else:
         paged_tree_attention_triton(
             *tensors, scale, out, plan_cache=plan_cache, max_context_len=max_context_len

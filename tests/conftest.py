@@ -180,6 +180,7 @@ LAYERS = {
         "test_fuzz_core",
         "test_tree_mask",
         "test_tree_attention",
+        "test_cpu_tree_attention",
         "test_vocab_topk",
         "test_kernel_warmup",
         "test_runner",

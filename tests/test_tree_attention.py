@@ -1,4 +1,6 @@
-"""Tests of paged tree attention (torch twin, C++ CPU kernel, Triton kernels) and the KV-cache views.
+"""Tests of paged tree attention (the CUDA path: Triton kernels and their torch twin) and the KV-cache views.
+
+The CPU kernel, which reads vLLM's CPU caches in their own layouts, is tested in test_cpu_tree_attention.py.
 
 The Triton kernel is run under the Triton interpreter on CPU tensors
 (``TRITON_INTERPRET=1`` must be set before triton is imported).
@@ -27,11 +29,8 @@ from vllm_eagle2.kernels import (
     pack_tree_mask,
     paged_tree_attention,
 )
-from vllm_eagle2.kernels import tree_attention as ta
-from vllm_eagle2.kernels import tree_attention_cpp as tac
 from vllm_eagle2.kernels import tree_attention_torch as ta_torch
 from vllm_eagle2.kernels import tree_attention_triton as tat
-from vllm_eagle2.kernels._cpp import load_cpu_ops
 
 # Triton is part of the test install (vLLM pulls it in): missing, these tests must fail, not skip.
 assert HAS_TRITON, "triton is not installed: pip install -e '.[cpu,test]'"
@@ -122,7 +121,7 @@ def write_cache(
 ) -> torch.Tensor:
     """A kv_cache tensor of ``layout`` (garbage-filled) holding (block, offset, k [Hkv, D], v) tokens.
 
-    The "cpu" layout is written element by element from its definition (not
+    The "vec" layout is written element by element from its definition (not
     through the views under test) and lives at a non-zero storage offset.
     """
     g = torch.Generator().manual_seed(99)
@@ -231,17 +230,11 @@ def reference(case: Case) -> torch.Tensor:
 # The CPU backends (torch twin, C++ kernel) vs. reference
 # --------------------------------------------------------------------------- #
 
-CPU_BACKENDS = ["torch", "cpp"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cpp_kernel_built() -> None:
-    """The C++ kernel is part of the package: a machine that cannot build it fails here, loudly."""
-    load_cpu_ops()
+CPU_BACKENDS = ["torch"]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("layout", ["vec", "flash"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_reference(backend: str, layout: str, dtype: torch.dtype) -> None:
     case = make_case(layout, dtype)
@@ -257,23 +250,8 @@ def test_cpu_backend_matches_reference(backend: str, layout: str, dtype: torch.d
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize(("h", "hkv"), [(2, 2), (6, 2), (4, 1)])
 def test_cpu_backend_head_groupings(backend: str, h: int, hkv: int) -> None:
-    case = make_case("cpu", h=h, hkv=hkv, requests=REQUESTS[:4], seed=3)
+    case = make_case("vec", h=h, hkv=hkv, requests=REQUESTS[:4], seed=3)
     got = paged_tree_attention(*case.args(), backend=backend)
-    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("d", [8, 24, 40])
-def test_cpp_head_sizes_off_its_vector_width(d: int) -> None:
-    """The C++ kernel works in lanes of 16 floats: head sizes that are no multiple of 16."""
-    case = make_case("cpu", d=d, requests=REQUESTS[:4], seed=12)
-    got = paged_tree_attention(*case.args(), backend="cpp")
-    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
-
-
-def test_cpp_many_queries_per_request() -> None:
-    """More queries than one work item holds (8), so a request's queries span several tiles."""
-    case = make_case("cpu", requests=[(40, 45, 45, "tree"), (3, 20, 17, "causal")], seed=13)
-    got = paged_tree_attention(*case.args(), backend="cpp")
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
 
 
@@ -288,7 +266,7 @@ def test_torch_head_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_plan_cache_keeps_indices_not_data(backend: str) -> None:
     """Every layer of a forward shares the index work (plan_cache); each layer's own data counts."""
-    case = make_case("cpu", requests=REQUESTS[:4], seed=6)
+    case = make_case("vec", requests=REQUESTS[:4], seed=6)
     cache: dict = {}
     got = paged_tree_attention(*case.args(), backend=backend, plan_cache=cache)
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
@@ -301,64 +279,6 @@ def test_plan_cache_keeps_indices_not_data(backend: str) -> None:
     case.query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(7))
     got = paged_tree_attention(*case.args(), backend=backend, plan_cache=cache)
     torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
-
-
-def test_auto_backend_on_cpu_is_the_cpp_kernel_with_strided_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make_case("cpu", requests=REQUESTS[:3], seed=5)
-    want = reference(case)
-    used = []
-    monkeypatch.delenv(tac.CPU_BACKEND_ENV, raising=False)
-    monkeypatch.setattr(ta, "paged_tree_attention_torch", lambda *a: used.append("torch"))
-    buf = torch.full((case.query.shape[0], 4, 2 * case.query.shape[2]), float("nan"))
-    out = buf[:, :, ::2]  # non-contiguous
-    got = paged_tree_attention(*case.args(), out=out)
-    assert got is out and not used
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-
-
-def test_auto_backend_falls_back_to_torch_when_the_kernel_cannot_be_built(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def no_compiler() -> None:
-        raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
-
-    monkeypatch.setattr(tac, "load_cpu_ops", no_compiler)
-    monkeypatch.setattr(tac, "_cpp_state", {})  # as in a fresh process
-    monkeypatch.delenv(tac.CPU_BACKEND_ENV, raising=False)
-    case = make_case("cpu", requests=REQUESTS[:3], seed=5)
-    with caplog.at_level("WARNING"):
-        got = paged_tree_attention(*case.args())
-        paged_tree_attention(*case.args())
-    torch.testing.assert_close(got, reference(case), atol=1e-5, rtol=1e-5)
-    warnings = [r for r in caplog.records if "falls back" in r.getMessage()]
-    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
-
-
-def test_build_finds_ninja_in_an_unactivated_venv(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """vLLM's ninja sits in the venv's bin/, which is not on PATH when .venv/bin/python runs directly."""
-    from vllm_eagle2.kernels import _cpp
-
-    (tmp_path / "ninja").touch()
-    monkeypatch.setattr(_cpp.sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setenv("PATH", "/nonexistent")
-    _cpp._ninja_on_path()
-    assert os.environ["PATH"] == f"{tmp_path}{os.pathsep}/nonexistent"
-
-
-def test_cpu_backend_is_chosen_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_compiler() -> None:
-        raise RuntimeError("could not build eagle2's C++ CPU kernels: no compiler")
-
-    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "torch")
-    assert tac.cpu_backend() == "torch"
-    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "cpp")
-    assert tac.cpu_backend() == "cpp"
-    monkeypatch.setattr(tac, "load_cpu_ops", no_compiler)
-    with pytest.raises(RuntimeError, match="no compiler"):  # forced: no silent fallback
-        tac.cpu_backend()
-    monkeypatch.setenv(tac.CPU_BACKEND_ENV, "triton")
-    with pytest.raises(ValueError, match="VLLM_EAGLE2_CPU_ATTENTION must be 'cpp' or 'torch'"):
-        tac.cpu_backend()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -379,7 +299,7 @@ def test_no_queries_and_no_tokens(backend: str) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
+@pytest.mark.parametrize("layout", ["vec", "flash"])
 def test_triton_matches_torch(layout: str, num_splits: int | None) -> None:
     """Default plan (one split on these short contexts: the region kernel walks the context),
     and forced splits through paged_tree_attention's plan."""
@@ -432,7 +352,7 @@ def make_split_case(**kw: object) -> Case:
 def test_triton_splits_tilings_and_groups(
     h: int, hkv: int, d: int, block_q: int, block_n: int, num_splits: int
 ) -> None:
-    case = make_split_case(layout="cpu", h=h, hkv=hkv, d=d, seed=8)
+    case = make_split_case(layout="vec", h=h, hkv=hkv, d=d, seed=8)
     want = reference(case)
     torch.testing.assert_close(
         paged_tree_attention(*case.args(), backend="torch"), want, atol=1e-4, rtol=1e-4
@@ -582,7 +502,7 @@ def test_triton_kernel_compiles_for_cuda(tmp_path: Path) -> None:
 
 def test_kv_cache_views_share_storage() -> None:
     kv = torch.arange(3 * 2 * 4 * 2 * 5, dtype=torch.float32).view(3, 2, 4, 10)
-    k, v = kv_cache_views(kv, "cpu")
+    k, v = kv_cache_views(kv, "vec")
     assert k.shape == v.shape == (3, 2, 4, 5)
     assert k.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
     # key (d, t) at d * bs + t, value (t, d) at bs * D + t * D + d of each (block, head) chunk
@@ -602,9 +522,9 @@ def test_kv_cache_views_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="layout"):
         kv_cache_views(torch.zeros(1, 1, 1, 2), "paged")
     with pytest.raises(ValueError, match="kv_cache"):
-        kv_cache_views(torch.zeros(1, 1, 1, 3), "cpu")
+        kv_cache_views(torch.zeros(1, 1, 1, 3), "vec")
     with pytest.raises(ValueError, match="kv_cache"):
-        kv_cache_views(torch.zeros(1, 1, 4, 2).transpose(2, 3), "cpu")
+        kv_cache_views(torch.zeros(1, 1, 4, 2).transpose(2, 3), "vec")
     with pytest.raises(ValueError, match="kv_cache"):
         kv_cache_views(torch.zeros(3, 1, 1, 3), "flash")
 
@@ -617,7 +537,7 @@ def _vllm_ops():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vllm_cpu_cache_op_round_trip(dtype: torch.dtype) -> None:
-    """vLLM's own CPU cache write, read back through the "cpu" views; then attention on it."""
+    """vLLM's own CPU cache write, read back through the "vec" views; then attention on it."""
     ops = _vllm_ops()
     nb, hkv, d = 5, 2, 32
     case = make_case("flash", dtype=dtype, d=d, requests=REQUESTS[:3], seed=11)  # logical K/V + masks
@@ -636,7 +556,7 @@ def test_vllm_cpu_cache_op_round_trip(dtype: torch.dtype) -> None:
     kv = torch.zeros(nb, hkv, BS, 2 * d, dtype=dtype)
     k_cache, v_cache = kv.view(nb, hkv, BS * 2, d).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, val, k_cache, v_cache, slot_t, "vec")
-    k_view, v_view = kv_cache_views(kv, "cpu")
+    k_view, v_view = kv_cache_views(kv, "vec")
     blk, off = slot_t // BS, slot_t % BS
     assert torch.equal(k_view[blk, :, off], key)
     assert torch.equal(v_view[blk, :, off], val)
@@ -666,14 +586,14 @@ def test_check_cpu_kv_layout_detects_other_layout(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", untransposed)
     with pytest.raises(RuntimeError, match="layout"):
-        check_cpu_kv_layout("fake", torch.float32, 32, 16)
+        check_cpu_kv_layout("vec", torch.float32, 32, 16)
 
     def failing(*args):  # type: ignore[no-untyped-def]
         raise ValueError("unsupported isa")
 
     monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", failing)
     with pytest.raises(RuntimeError, match="unsupported isa"):
-        check_cpu_kv_layout("fake", torch.float32, 32, 16)
+        check_cpu_kv_layout("vec", torch.float32, 32, 16)
 
 
 # --------------------------------------------------------------------------- #
@@ -697,7 +617,7 @@ def _replace(case: Case, **kw: object) -> tuple:
     return tuple(args.values())
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp", "triton", "auto"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
 def test_invalid_arguments_raise(backend: str) -> None:
     case = make_case("flash", requests=REQUESTS[:2])
     q, kc = case.query, case.key_cache
@@ -722,27 +642,6 @@ def test_invalid_arguments_raise(backend: str) -> None:
         paged_tree_attention(*case.args(), out=torch.empty(1, 4, 16), backend=backend)
     with pytest.raises(ValueError, match="backend"):
         paged_tree_attention(*case.args(), backend="cuda")
-
-
-def test_cpp_operator_checks_shapes_when_called_directly() -> None:
-    """torch.ops.eagle2_cpu.tree_attention is reachable without paged_tree_attention's checks."""
-    case = make_case("cpu", requests=REQUESTS[:2])
-    idx = [t.to(torch.int64).contiguous() for t in case.args()[3:7]]
-    op = torch.ops.eagle2_cpu.tree_attention
-    with pytest.raises(RuntimeError, match="out like query"):
-        op(case.query, case.key_cache, case.value_cache, *idx, case.mask, case.scale, torch.empty(1, 4, 16))
-    with pytest.raises(RuntimeError, match="lengths"):
-        op(
-            case.query,
-            case.key_cache,
-            case.value_cache,
-            *idx[:2],
-            idx[2][:1],
-            idx[3],
-            case.mask,
-            case.scale,
-            torch.empty_like(case.query),
-        )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
