@@ -163,7 +163,7 @@ def cpu_tree_attention(
     if backend == "auto":
         backend = cpu_backend()
     if backend == "torch":
-        cpu_tree_attention_torch(query, kv_cache, layout, plan, scale, out)
+        cpu_tree_attention_torch(query, kv_cache, layout, plan.plan, plan.block_table, plan.mask, scale, out)
     elif backend == "cpp":
         load_cpu_ops()
         torch.ops.eagle2_cpu.tree_attention(

@@ -8,15 +8,10 @@ into a dense one-block-per-request cache, and :func:`.tree_attention_torch.paged
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .kv_cache import read_kv_slots
 from .tree_attention_torch import paged_tree_attention_torch
-
-if TYPE_CHECKING:
-    from .tree_attention_cpu import CpuTreePlan
 
 __all__ = ["cpu_tree_attention_torch", "plan_torch"]
 
@@ -25,13 +20,15 @@ def cpu_tree_attention_torch(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     layout: str,
-    plan: CpuTreePlan,
+    plan: torch.Tensor,
+    block_table: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Arguments as :func:`~vllm_eagle2.kernels.cpu_tree_attention` (``layout``: ``"vec"`` or
-    ``"amx"``); writes the plan's rows of ``out``."""
-    req = plan.requests
+    """The C++ ``tree_attention``'s twin, with its arguments (:class:`~.tree_attention_cpu.CpuTreePlan`'s
+    tensors; ``layout``: ``"vec"`` or ``"amx"``); writes the plan's rows of ``out``."""
+    req = plan[1:]
     first, nq, ctx, reg = req.unbind(1)
     if int(nq.sum()) == 0:
         return
@@ -40,7 +37,7 @@ def cpu_tree_attention_torch(
     seq = int((ctx + reg).max())
     pos = torch.arange(seq)
     inside = pos < (ctx + reg).unsqueeze(1)  # [R, S]
-    blocks = plan.block_table.long()[:, (pos // bs).clamp(max=plan.block_table.shape[1] - 1)]
+    blocks = block_table.long()[:, (pos // bs).clamp(max=block_table.shape[1] - 1)]
     slots = torch.where(inside, blocks * bs + pos % bs, 0)  # past a sequence: any valid slot, never seen
     key, value = read_kv_slots(kv_cache, layout, slots.flatten())
     # [R, Hkv, S, D]; zeros past each sequence, whatever its slots hold (a weight of 0 times NaN is NaN)
@@ -56,7 +53,7 @@ def cpu_tree_attention_torch(
     qsl = torch.cat([torch.zeros(1, dtype=torch.long), nq.cumsum(0)])
     got = torch.empty(rows.numel(), query.shape[1], query.shape[2], dtype=query.dtype)
     paged_tree_attention_torch(
-        query[rows], *dense, torch.arange(r).unsqueeze(1), qsl, ctx, reg, plan.mask, scale, got
+        query[rows], *dense, torch.arange(r).unsqueeze(1), qsl, ctx, reg, mask, scale, got
     )
     out[rows] = got
 

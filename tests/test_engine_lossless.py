@@ -169,7 +169,7 @@ def test_a_kv_move_that_moves_nothing_breaks_equality(models, prompts, reference
     """Negative control: these tests see a verifier that leaves accepted off-chain K/V in place."""
     from vllm_eagle2.engine import attention
 
-    monkeypatch.setattr(attention, "move_kv", lambda kept, *args: kept.clear())
+    monkeypatch.setattr(attention, "move_kv", lambda *args: None)
     spec, compiled = eagle2(models["noisy"], **M12), mode == "compiled"
     outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=compiled)
     assert_trees_exercised(metrics)
@@ -192,6 +192,19 @@ def test_a_tree_mask_that_shows_every_node_breaks_equality(models, prompts, refe
     spec, compiled = eagle2(models["noisy"], **M12), mode == "compiled"
     outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=compiled)
     assert_trees_exercised(metrics)
+    assert tokens_of(outputs) != reference(mode)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_tree_rows_left_to_vllms_causal_kernel_break_equality(models, prompts, reference, monkeypatch, mode):
+    """Negative control: on CPU vLLM's kernel never computes the tree rows (eagle2's kernel alone
+    does); without eagle2's, they hold whatever the output buffer held."""
+    from vllm_eagle2.engine import cpu_rows
+
+    monkeypatch.setattr(cpu_rows, "cpu_tree_rows", lambda *args: None)
+    spec, compiled = eagle2(models["noisy"], **M12), mode == "compiled"
+    outputs, metrics = run_llm(models["partial"], spec, prompts, greedy(), compiled=compiled)
+    assert metrics["eagle2"]["tree_rows"] > 0
     assert tokens_of(outputs) != reference(mode)
 
 

@@ -8,8 +8,7 @@
 * On a vLLM release the plugin was not written for, nothing is patched: the plugin logs
   why, an eagle2 config fails with that message, and vLLM without speculation still works.
 * A Ray worker gets the method through vLLM's own plugin loading.
-* Where vLLM's CPU build picks its bf16 "amx" KV layout, eagle2 engines get the "vec" layout the
-  tree attention reads; ``VLLM_EAGLE2_CPU_VEC_LAYOUT=1`` gives it to engines without eagle2 too.
+* eagle2 leaves vLLM's choice of KV layout alone (its CPU kernel reads "vec" and "amx").
 * On vLLM's CPU build the plugin also repairs the expansion of per-request sampling values in
   vLLM's own rejection sampler (its kernel left them uninitialised), for every engine.
 """
@@ -798,56 +797,16 @@ def test_vllm_without_speculation_still_builds_on_an_unsupported_vllm(on_unsuppo
 # -- CPU KV layout -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def layout_where_vllm_picks_amx(monkeypatch):
-    """``layout(method)``: the KV layout vLLM's CPU attention builder settles on, as patched by the
-    plugin, in an engine whose speculative method is ``method`` (None: none), on a CPU where vLLM
-    picks "amx"; returns (the builder's, its layers')."""
-    from types import SimpleNamespace
-
+def test_eagle2_leaves_vllms_choice_of_kv_layout_alone():
+    """eagle2's CPU kernel reads whichever layout vLLM picks ("amx" on AMX CPUs): vLLM's attention
+    builder, which picks it, is vLLM's own in a patched process."""
     from vllm.v1.attention.backends import cpu_attn
 
     from vllm_eagle2 import patches
 
-    builder = cpu_attn.CPUAttentionMetadataBuilder
-
-    def vllm_init(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        self.isa = "amx"
-        self._set_isa_to_layers(layer_names)
-
-    monkeypatch.setattr(builder, "__init__", vllm_init)
-    monkeypatch.setattr(
-        builder, "_set_isa_to_layers", lambda self, names: setattr(self, "layers_isa", self.isa)
-    )
-    monkeypatch.delenv(patches.VEC_LAYOUT_ENV, raising=False)
-    patches._patch_cpu_attention()
-
-    def layout(method: str | None) -> tuple[str, str]:
-        config = SimpleNamespace(
-            speculative_config=None if method is None else SimpleNamespace(method=method)
-        )
-        made = builder(None, ["model.layers.0.self_attn.attn"], config, "cpu")
-        return made.isa, made.layers_isa
-
-    return layout
-
-
-def test_engines_without_eagle2_keep_vllms_amx_kv_layout(layout_where_vllm_picks_amx):
-    assert layout_where_vllm_picks_amx(None) == ("amx", "amx")
-    assert layout_where_vllm_picks_amx("eagle") == ("amx", "amx")
-
-
-def test_eagle2_engines_get_the_vec_kv_layout_tree_attention_reads(layout_where_vllm_picks_amx):
-    assert layout_where_vllm_picks_amx("eagle2") == ("vec", "vec")
-
-
-def test_vec_layout_env_gives_engines_without_eagle2_the_vec_kv_layout(
-    layout_where_vllm_picks_amx, monkeypatch
-):
-    from vllm_eagle2 import patches
-
-    monkeypatch.setenv(patches.VEC_LAYOUT_ENV, "1")
-    assert layout_where_vllm_picks_amx(None) == ("vec", "vec")
+    assert patches.apply()
+    assert cpu_attn.CPUAttentionMetadataBuilder.__init__.__module__ == cpu_attn.__name__
+    assert cpu_attn.CPUAttentionMetadataBuilder._set_isa_to_layers.__module__ == cpu_attn.__name__
 
 
 # -- Ray workers -------------------------------------------------------------------------------

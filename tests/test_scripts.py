@@ -188,21 +188,6 @@ def test_benchmark_nospec_sync_is_plain_decoding_without_async_scheduling(
     assert started[0]["eager"] is True
 
 
-def test_benchmark_nospec_vec_is_plain_decoding_with_eagle2s_kv_layout(tmp_path: Path) -> None:
-    """``nospec_vec`` is no speculation in an engine whose env asks for eagle2's CPU KV layout."""
-    from vllm_eagle2.patches import VEC_LAYOUT_ENV
-    from vllm_eagle2_tools.bench.cli import parse_args
-    from vllm_eagle2_tools.bench.config import DEFAULT_MODES, plan_runs, resolve_target
-    from vllm_eagle2_tools.testing import build_pair
-
-    target_dir, head = build_pair(tmp_path, "partial")
-    args = parse_args(["--model", str(target_dir), "--head", str(head), "--modes", "nospec_vec,nospec"])
-    vec, default = plan_runs(args, resolve_target(args), bs=4)
-    assert vec.spec is None and vec.engine_kwargs == {"env": {VEC_LAYOUT_ENV: "1"}}
-    assert default.engine_kwargs == {}
-    assert "nospec_vec" not in DEFAULT_MODES
-
-
 def test_benchmark_lookup_head_is_the_defaults_with_the_head_beside_every_chain(tmp_path: Path) -> None:
     """``lookup_head`` is eagle2's defaults in an engine whose env keeps the head's levels beside chains."""
     from vllm_eagle2.engine.lookup_drafts import HEAD_SKIP_ENV

@@ -1,48 +1,64 @@
 """Tree attention inside vLLM's attention layers, through a per-forward side channel.
 
-vLLM's attention kernels know causal masks only. Every attention layer's implementation
-is wrapped once (:func:`wrap_attention_layers`): the stock kernel still writes the KV cache
-and computes all rows, then the rows of tree queries are recomputed by
-:func:`vllm_eagle2.kernels.paged_tree_attention` (Triton on CUDA, the C++ kernel on CPU) with
-their per-request masks and written over the stock result. Which rows, and with which masks, is
-a :class:`TreeBatch` published for one forward through :func:`tree_batch`, a context manager:
-vLLM copies its attention metadata before the kernels see it, so extra fields would not survive
-that route. Outside a ``with tree_batch(...)`` every layer is plain causal attention, so no
-batch can leak into a later forward (a draft level, the drafter's catch-up pass, a dummy run).
+vLLM's attention kernels know causal masks only. Every attention layer's implementation is
+wrapped once (:func:`wrap_attention_layers`). Which rows are tree rows, and with which masks, is a
+:class:`~.tree_batch.TreeBatch` published for one forward through :func:`~.tree_batch.tree_batch`
+(re-exported here); outside one, every layer is plain causal attention.
 
-* A draft level (:mod:`vllm_eagle2.engine.proposer`) wraps its one head forward in
+A request's tree rows are always the last of its rows: before them sit the rows that see the
+whole context causally (a verified tree's root and its leading chain; none in a draft level).
+
+* On CPU each row is computed once (:mod:`.cpu_rows`): vLLM's kernel the rows before each request's
+  tree rows, eagle2's kernel the tree rows, from the cache in the layout vLLM chose, in place.
+* On CUDA the stock kernel computes every row, then the tree rows are recomputed by the Triton
+  kernel (:func:`vllm_eagle2.kernels.paged_tree_attention`) and written over its result.
+
+Both read the tree's own fresh K/V from the cache (vLLM writes every row's K/V before attention),
+as does :func:`move_kv`, which moves the accepted nodes' K/V into place after sampling.
+
+* A draft level (:mod:`vllm_eagle2.engine.expansion`) wraps its one head forward in
   ``with tree_batch(batch):``.
 * Verification spans vLLM's ``execute_model``: its ``_prepare_inputs`` builds the batch, the
   target forward reads it. :mod:`vllm_eagle2.patches` wraps the whole ``execute_model`` in
   ``with tree_batch() as step.forward:`` (:mod:`vllm_eagle2.engine.step`) and
   :func:`vllm_eagle2.engine.verification.prepare_tree_verification` publishes into it.
 
-The wrapper also keeps a copy of the tree rows' fresh K/V in a verification forward
-(``TreeForward.kept_kv``), so that the KV of accepted tree nodes can be moved into place
-afterwards, in vLLM's separate ``sample_tokens`` call, with the backend's own writer
-(:func:`move_kv`). A copy, not the tensors handed to the cache writer: in vLLM's compiled mode
-those are buffers of a compiled piece (or of a CUDA graph's pool) that the pieces after it reuse,
-so by the time of the move they held other data (the greedy outputs of eagle2's trees differed
-from plain decoding in compiled mode, 4 of 8 tiny-model prompts).
-
-The wrapping is a patch of vLLM (``forward``, ``do_kv_cache_update`` and the ``_eagle2_wrapped`` marker
-on each layer's ``impl`` instance, neither recorded nor rolled back): it is listed, with why, its
-upstream reference and when to remove it, in the index of :mod:`vllm_eagle2.patches`.
+The wrapping is a patch of vLLM (``forward`` and the ``_eagle2_wrapped`` marker on each layer's
+``impl`` instance, neither recorded nor rolled back): it is listed, with why, its upstream
+reference and when to remove it, in the index of :mod:`vllm_eagle2.patches`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_eagle2.config import UNQUANTIZED_KV_DTYPES
-from vllm_eagle2.kernels import check_cpu_kv_layout, cpu_backend, kv_cache_views, paged_tree_attention
+from vllm_eagle2.engine import cpu_rows
+from vllm_eagle2.engine.tree_batch import TreeBatch, TreeForward, active_batch, tree_batch
+from vllm_eagle2.kernels import (
+    check_cpu_kv_layout,
+    cpu_backend,
+    cpu_layout,
+    kv_cache_views,
+    paged_tree_attention,
+    read_kv_slots,
+)
 from vllm_eagle2.kernels.warmup import AttentionCache
+
+__all__ = [
+    "TreeBatch",
+    "TreeForward",
+    "check_kernel_blocks",
+    "check_layouts",
+    "move_kv",
+    "tree_batch",
+    "tree_caches",
+    "unsupported_features",
+    "wrap_attention_layers",
+]
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionImpl
@@ -51,96 +67,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers and level
 
 
-@dataclass
-class TreeBatch:
-    """Tree queries of the next forward pass, R requests.
-
-    rows: [Q] int64, rows of the flattened batch that are tree queries, grouped by request.
-    query_start_loc: [R + 1] int64, cumulative query counts.
-    block_table: [R, max_blocks] int32, the requests' rows of the block table.
-    context_lens: [R] int64, tokens before the region (fully visible).
-    region_lens: [R] int64, tokens in the region (visible through ``mask``).
-    mask: [R, max_q, W] int32, packed visibility of region tokens per query: row i is the
-        i-th query of the request, whichever region row it is (the verifier recomputes only
-        the rows whose causal result is wrong).
-    keep_kv: keep a copy of the fresh K/V of ``rows`` per layer (``TreeForward.kept_kv``) for
-        :func:`move_kv`.
-    plan_cache: handed to every layer's :func:`paged_tree_attention` call, which keeps the
-        index work that all layers of this forward share there (a new batch, a new cache).
-    """
-
-    rows: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_table: torch.Tensor
-    context_lens: torch.Tensor
-    region_lens: torch.Tensor
-    mask: torch.Tensor
-    keep_kv: bool = False
-    plan_cache: dict = field(default_factory=dict)
-
-
-#: Kept K/V of one forward, per layer (by id): ``(layer, key [Q, Hkv, D], value [Q, Hkv, D])``,
-#: copies of the forward's rows ``TreeBatch.rows`` (row j of the copy is ``rows[j]``).
-KeptKV = dict[int, tuple[Any, torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class TreeForward:
-    """The tree attention of one forward: what its attention layers read and what they keep.
-
-    batch: the tree queries, None = plain causal attention (all layers); set at entry to
-        :func:`tree_batch` or once by :meth:`publish`.
-    kept_kv: with ``batch.keep_kv``, a copy of each layer's fresh K/V of the tree rows, for
-        :func:`move_kv`. The dict outlives the scope (the verifier keeps it on its step); the
-        layers stop adding to it when the scope closes.
-    """
-
-    batch: TreeBatch | None = None
-    kept_kv: KeptKV = field(default_factory=dict)
-
-    def publish(self, batch: TreeBatch) -> None:
-        """Set the tree queries of this forward once it has started (the verifier's route).
-
-        Raises:
-            RuntimeError: a batch is already published for this forward.
-        """
-        if self.batch is not None:
-            raise RuntimeError("eagle2: this forward already has a tree batch")
-        self.batch = batch
-
-
-#: The forward inside :func:`tree_batch`, None outside: the side channel itself.
-_active: TreeForward | None = None
-_checked_layouts: set[tuple[str, torch.dtype, int, int]] = set()
-
-
-@contextmanager
-def tree_batch(batch: TreeBatch | None = None) -> Iterator[TreeForward]:
-    """Scope of one forward's tree attention: the attention layers see ``batch`` inside only.
-
-    Args:
-        batch: the tree queries of the forward run inside; None to publish them later with
-            :meth:`TreeForward.publish` (the forward's inputs are prepared inside the scope).
-
-    Yields:
-        The :class:`TreeForward`; its ``kept_kv`` stays readable after the scope.
-
-    Raises:
-        RuntimeError: another scope is active. One forward runs at a time; a nested scope
-            would hide the outer one's batch from its own layers.
-    """
-    global _active
-    if _active is not None:
-        raise RuntimeError("eagle2: a tree batch is already active; tree_batch scopes do not nest")
-    forward = TreeForward(batch)
-    _active = forward
-    try:
-        yield forward
-    finally:
-        _active = None
-
-
-def _layout_of(impl: AttentionImpl) -> str:
+def _backend_of(impl: AttentionImpl) -> str:
+    """``"cpu"`` (vLLM's CPU_ATTN) or ``"flash"`` (CUDA FlashAttention / Triton, their layout)."""
     name = type(impl).__name__
     if "DiffKV" in name:  # FLASH_ATTN_DIFFKV / TRITON_ATTN_DIFFKV keep K and V in another layout
         raise RuntimeError(
@@ -158,12 +86,17 @@ def _layout_of(impl: AttentionImpl) -> str:
     )
 
 
-def unsupported_features(impl: AttentionImpl) -> list[str]:
-    """What an attention layer's impl applies that the tree kernel does not (empty = none).
+def _layout_of(layer: Any) -> str:
+    """The KV layout of ``layer``'s cache (:mod:`vllm_eagle2.kernels.kv_cache`)."""
+    return cpu_layout(layer.isa) if _backend_of(layer.impl) == "cpu" else "flash"
 
-    The tree rows are recomputed by :func:`paged_tree_attention`, which knows plain softmax
-    attention over an unquantized cache; any of these would make the tree rows differ from what
-    the stock kernel computes for the same tokens, so eagle2 would not be lossless.
+
+def unsupported_features(impl: AttentionImpl) -> list[str]:
+    """What an attention layer's impl applies that the tree kernels do not (empty = none).
+
+    The tree rows are computed by eagle2's kernels, which know plain softmax attention over an
+    unquantized cache; any of these would make the tree rows differ from what the stock kernel
+    computes for the same tokens, so eagle2 would not be lossless.
     """
     found = []
     window = getattr(impl, "sliding_window", None)
@@ -181,24 +114,10 @@ def unsupported_features(impl: AttentionImpl) -> list[str]:
     return found
 
 
-def _tree_forward(
-    impl: AttentionImpl,
-    layer: Any,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    output: torch.Tensor,
-    batch: TreeBatch,
-    max_seq_len: int | None,
-) -> None:
-    layout = _layout_of(impl)
-    if layout == "cpu":
-        isa = getattr(layer, "isa", "vec")
-        key = (isa, kv_cache.dtype, kv_cache.shape[-1] // 2, kv_cache.shape[2])
-        if key not in _checked_layouts:  # the KV layout is read directly: prove we read it right
-            check_cpu_kv_layout(isa, kv_cache.dtype, key[2], key[3])
-            _checked_layouts.add(key)
-    key_cache, value_cache = kv_cache_views(kv_cache, layout)
-    num_heads = query.shape[1]
+def _flash_forward(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                   batch: TreeBatch, max_seq_len: int | None) -> None:  # fmt: skip
+    """The tree rows recomputed by the Triton kernel and written over the stock result."""
+    key_cache, value_cache = kv_cache_views(kv_cache, "flash")
     out = paged_tree_attention(
         query[batch.rows],
         key_cache,
@@ -213,14 +132,39 @@ def _tree_forward(
         # A host bound on the context sizes the CUDA kernel's split of it (no device read).
         max_context_len=max_seq_len,
     )
-    output.view(output.shape[0], num_heads, -1)[batch.rows] = out.to(output.dtype)
+    output.view(output.shape[0], impl.num_heads, -1)[batch.rows] = out.to(output.dtype)
+
+
+def check_layouts(layers: dict[str, Any], dtype: torch.dtype) -> None:
+    """At start-up, once vLLM's builders gave every CPU layer its ISA: each layout is one eagle2's
+    CPU kernel reads, and vLLM's cache writer stores it as eagle2 reads it (a round trip).
+
+    Raises:
+        ValueError: a layout eagle2 does not read, naming it.
+        RuntimeError: vLLM writes it otherwise than eagle2 reads it.
+    """
+    checked = set()
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if impl is None or _backend_of(impl) != "cpu" or not hasattr(layer, "isa"):
+            continue
+        what = (layer.isa, impl.head_size)
+        if what not in checked:
+            check_cpu_kv_layout(layer.isa, dtype, impl.head_size, 32)
+            checked.add(what)
+    if checked:
+        logger.info(
+            "eagle2 tree attention on CPU: %s backend, KV layouts %s",
+            cpu_backend(),
+            sorted({isa for isa, _ in checked}),
+        )
 
 
 def wrap_attention_layers(layers: dict[str, Any]) -> None:
-    """Wrap ``forward`` and ``do_kv_cache_update`` of every attention layer's impl once."""
+    """Wrap ``forward`` of every attention layer's impl once."""
     impls = (getattr(layer, "impl", None) for layer in layers.values())
     todo = [i for i in impls if hasattr(i, "forward") and not getattr(i, "_eagle2_wrapped", False)]
-    layouts = {_layout_of(impl) for impl in todo}  # fail at start-up, not mid-request, if unknown
+    backends = {_backend_of(impl) for impl in todo}  # fail at start-up, not mid-request, if unknown
     for name, layer in layers.items():
         features = unsupported_features(getattr(layer, "impl", None))
         if features:
@@ -229,11 +173,11 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
                 f"{', '.join(features)}, which eagle2's tree attention does not apply, so its output "
                 "would differ from vLLM's. Serve it without eagle2 (vLLM's own 'eagle' drafts chains)."
             )
-    if "cpu" in layouts:  # build the C++ kernel now, not mid-request (about 15 s, once per machine)
-        logger.info("eagle2 tree attention on CPU: %s backend", cpu_backend())
+    if "cpu" in backends:
+        cpu_backend()  # build the C++ kernel now, not mid-request (about 20 s, once per machine)
     for impl in todo:
         stock_forward = impl.forward
-        stock_update = getattr(impl, "do_kv_cache_update", None)
+        on_cpu = _backend_of(impl) == "cpu"
 
         def forward(
             layer,
@@ -246,26 +190,23 @@ def wrap_attention_layers(layers: dict[str, Any]) -> None:
             *args,
             _stock=stock_forward,
             _impl=impl,
+            _on_cpu=on_cpu,
             **kwargs,
         ):
-            result = _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             # Outside a tree_batch scope (dummy runs, the catch-up pass): causal, as stock.
-            batch = _active.batch if _active is not None else None
-            if batch is not None and attn_metadata is not None and batch.rows.numel():
-                max_seq_len = getattr(attn_metadata, "max_seq_len", None)
-                _tree_forward(_impl, layer, query, kv_cache, result, batch, max_seq_len)
+            batch = active_batch()
+            if batch is None or attn_metadata is None or not batch.rows.numel():
+                return _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if _on_cpu:  # each row once: vLLM's kernel the rows before the tree rows, eagle2's these
+                split = cpu_rows.split_metadata(batch, attn_metadata, _impl, layer, query.dtype)
+                result = _stock(layer, query, key, value, kv_cache, split, output, *args, **kwargs)
+                cpu_rows.cpu_tree_rows(_impl, layer, query, kv_cache, result, batch)
+                return result
+            result = _stock(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            _flash_forward(_impl, query, kv_cache, result, batch, getattr(attn_metadata, "max_seq_len", None))
             return result
 
-        def do_kv_cache_update(layer, key, value, kv_cache, slot_mapping, _stock=stock_update):
-            _stock(layer, key, value, kv_cache, slot_mapping)
-            forward = _active
-            if forward is not None and forward.batch is not None and forward.batch.keep_kv:
-                rows = forward.batch.rows  # a gather: a copy that no later piece can overwrite
-                forward.kept_kv[id(layer)] = (layer, key[rows], value[rows])
-
         impl.forward = forward
-        if stock_update is not None:
-            impl.do_kv_cache_update = do_kv_cache_update
         impl._eagle2_wrapped = True
 
 
@@ -293,47 +234,33 @@ def check_kernel_blocks(kv_cache_config: KVCacheConfig, kernel_block_sizes: list
 
 
 def tree_caches(layers: dict[str, Any]) -> list[AttentionCache]:
-    """The cache views tree attention reads, one layer per distinct geometry, dtype and strides
-    (what a kernel variant depends on): the target's layers and the head's."""
+    """The CUDA cache views the Triton tree kernel reads, one layer per distinct geometry, dtype and
+    strides (what a kernel variant depends on): the target's layers and the head's."""
     found: dict[tuple, AttentionCache] = {}
     for layer in layers.values():
         kv_cache = getattr(layer, "kv_cache", None)
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+        if (
+            not isinstance(kv_cache, torch.Tensor)
+            or kv_cache.numel() == 0
+            or _backend_of(layer.impl) != "flash"
+        ):
             continue
-        key_cache, value_cache = kv_cache_views(kv_cache, _layout_of(layer.impl))
+        key_cache, value_cache = kv_cache_views(kv_cache, "flash")
         signature = (key_cache.shape[1:], key_cache.stride(), key_cache.dtype, layer.impl.num_heads)
         found.setdefault(signature, AttentionCache(key_cache, value_cache, layer.impl.num_heads))
     return list(found.values())
 
 
 def move_kv(
-    kept: KeptKV,
-    layer_names: set[str],
-    layers: dict[str, Any],
-    src: torch.Tensor,
-    dst_slots: torch.Tensor,
+    layer_names: set[str], layers: dict[str, Any], src_slots: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
-    """Write kept K/V rows ``src`` [K] (indices into the kept copies) to cache slots ``dst_slots`` [K].
-
-    ``kept``: a finished forward's ``TreeForward.kept_kv``, emptied here. Only for the layers
-    named (the target's); uses each backend's own cache writer, so no layout knowledge is
-    needed here. A slot of -1 writes nothing (vLLM's writers skip padding slots).
-
-    Raises:
-        RuntimeError: a named layer kept nothing: its cache writer ran where the wrapper does
-            not (inside a compiled graph), and the accepted nodes' KV would be left unmoved.
-    """
-    if src.numel() == 0:
+    """Copy the K/V at cache slots ``src_slots`` [K] to ``dst_slots`` [K] in the layers named (the
+    target's), read in each cache's layout and written with the backend's own writer. All sources
+    are read before any destination is written; a destination of -1 writes nothing (vLLM's
+    writers skip padding slots)."""
+    if src_slots.numel() == 0:
         return
-    missing = sorted(name for name in layer_names if id(layers[name]) not in kept)
-    if missing:
-        raise RuntimeError(
-            f"eagle2: the verification forward kept no K/V for {len(missing)} target attention "
-            f"layers ({missing[0]}, ...): their KV-cache update ran inside a compiled graph, where "
-            "eagle2 cannot see it. Keep vllm::unified_kv_cache_update in compilation_config.splitting_ops."
-        )
     for name in layer_names:
         layer = layers[name]
-        _, key, value = kept[id(layer)]
-        layer.impl.do_kv_cache_update(layer, key[src], value[src], layer.kv_cache, dst_slots)
-    kept.clear()
+        key, value = read_kv_slots(layer.kv_cache, _layout_of(layer), src_slots)
+        layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, dst_slots)

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from vllm_eagle2.device import to_device
@@ -142,6 +143,7 @@ class TreeExpander:
             context_lens=self.start,
             region_lens=torch.full_like(self.start, region_len),
             mask=pack_tree_mask(visible),
+            tails=np.full(batch, k, dtype=np.int64),  # every row of a level is a tree row
         )
         with attention.tree_batch(level_batch):
             logits, hidden = self.head.run_level(

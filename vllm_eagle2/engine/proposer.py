@@ -97,6 +97,9 @@ class Eagle2Proposer(HeadPasses, EagleProposer):
     ) -> None:
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
         attention.check_kernel_blocks(kv_cache_config, kernel_block_sizes)
+        # Every builder (the target's, then the head's) has given its layers vLLM's ISA by now.
+        layers = self.vllm_config.compilation_config.static_forward_context
+        attention.check_layouts(layers, self.vllm_config.model_config.dtype)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)

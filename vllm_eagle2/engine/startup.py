@@ -110,24 +110,18 @@ def verification_peak(runner: GPUModelRunner) -> tuple[int, int, int]:
 
 
 def profile_verification(runner: GPUModelRunner, vocab: int) -> None:
-    """Run the tree verifier once at :func:`verification_peak`, sampled with top-k and top-p, beside
-    K/V kept for every tree row, inside vLLM's memory profile (its ``_dummy_sampler_run``).
+    """Run the tree verifier once at :func:`verification_peak`, sampled with top-k and top-p, inside
+    vLLM's memory profile (its ``_dummy_sampler_run``).
 
-    A step's verification holds the step's logits [rows, V], their gather [B, N + 1, V], the sampler's
-    top-k / top-p groups and a copy of every tree row's K/V per target layer: at B=256, N=64 and a
-    128k vocabulary, gigabytes that vLLM's profile of its own sampler never sees, so they came out
-    of the KV cache's share mid-serving. Run here, they are reserved before the cache is sized.
+    A step's verification holds the step's logits [rows, V], their gather [B, N + 1, V] and the
+    sampler's top-k / top-p groups: at B=256, N=64 and a 128k vocabulary, gigabytes that vLLM's
+    profile of its own sampler never sees, so they came out of the KV cache's share mid-serving.
+    Run here, they are reserved before the cache is sized.
     """
     from vllm_eagle2.verify.verifier import verify_tree
 
     batch, width, rows = verification_peak(runner)
     device = runner.device
-    layers = runner.vllm_config.compilation_config.static_forward_context
-    kept = sum(
-        2 * layers[name].impl.num_kv_heads * layers[name].impl.head_size
-        for name in runner.drafter.target_attn_layer_names
-    )
-    kept_kv = torch.empty(min(batch * width, rows) * kept, dtype=runner.dtype, device=device)
     logits = torch.randn(rows, vocab, dtype=torch.float32, device=device)
     row_idx = torch.arange(batch * (width + 1), device=device).view(batch, width + 1) % rows
     tokens = torch.randint(vocab, (batch, width), device=device)
@@ -136,4 +130,4 @@ def profile_verification(runner: GPUModelRunner, vocab: int) -> None:
     verify_tree(
         tokens, chain, logits[row_idx], temperature=full(0.5), top_k=full(vocab - 1).long(), top_p=full(0.9)
     )
-    del kept_kv, logits
+    del logits

@@ -31,7 +31,7 @@ __all__ = ["Eagle2Step", "begin", "draft", "drafts_sent", "keep_hidden_rows", "p
 @contextmanager
 def begin(runner: GPUModelRunner) -> Iterator[Eagle2Step]:
     """1. ``execute_model``: the step opens, and with it the target forward's tree-attention scope
-    (``step.forward``: the masks :func:`prepare` publishes, the K/V the attention layers keep)."""
+    (``step.forward``: the masks :func:`prepare` publishes)."""
     step = runner._eagle2_step = Eagle2Step()
     with attention.tree_batch() as step.forward:
         yield step
@@ -53,8 +53,8 @@ def started(runner: GPUModelRunner, step: Eagle2Step, scheduler_output: Schedule
 def prepare(runner: GPUModelRunner, step: Eagle2Step, spec_meta: SpecDecodeMetadata | None) -> None:
     """3. ``_prepare_inputs``, after vLLM's: the scheduled drafts matched to the trees proposed last
     step, every node at its RoPE position, the masks published (``step.verify``; None without
-    drafts). The target forward follows: each attention layer recomputes the tree rows with their
-    masks (:mod:`.attention`)."""
+    drafts). The target forward follows: in each attention layer the tree rows attend through
+    their masks (:mod:`.attention`)."""
     verification.prepare_tree_verification(runner, step, spec_meta)
 
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 class Eagle2Step:
     """The state of one eagle2 step, owned by the model runner (``runner._eagle2_step``).
 
-    forward: the target forward's tree attention: the masks the verifier publishes, the K/V
-        the layers keep (set when the ``tree_batch`` scope opens; it outlives the scope).
+    forward: the target forward's tree attention: the masks the verifier publishes (set when
+        the ``tree_batch`` scope opens).
     verify: the trees this step verifies; None = no drafts were scheduled.
     hidden_states: the target's hidden-state rows (and an EAGLE-3 head's auxiliary ones),
         [T, H] each, that the drafter's catch-up pass reads; the verifier reorders their rows
@@ -100,8 +100,6 @@ class VerifyStep:
     num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
     depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
         0 past the drafts); trees: the drafter's record of them.
-    kept_row: [B, N] int64, the row of each draft in the kept K/V copies (-1 = not kept: a draft
-        on its tree's leading chain, whose K/V is already where an accepted path needs it).
     """
 
     tokens: torch.Tensor
@@ -110,7 +108,6 @@ class VerifyStep:
     row_start: torch.Tensor
     depths: torch.Tensor
     trees: MatchedTrees
-    kept_row: torch.Tensor | None = None
 
     @property
     def branched(self) -> bool:

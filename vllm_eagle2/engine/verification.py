@@ -224,8 +224,8 @@ def _publish_tree_masks(
     words = masks.packed.shape[-1]
     region_t = to_device(region, device)
     block_table = runner.input_batch.block_table[0].get_device_tensor(batch)
-    kept_row = np.full((batch, width), -1, dtype=np.int64)
-    kept_row[np.repeat(spec, q), (region - 1)[np.arange(region.shape[1]) < q[:, None]]] = np.arange(rows.size)
+    tails = np.zeros(batch, dtype=np.int64)
+    tails[spec] = q  # the off-chain drafts are the last of a request's rows (a leading chain's suffix)
     forward.publish(
         attention.TreeBatch(
             rows=to_device(rows, device),
@@ -234,11 +234,10 @@ def _publish_tree_masks(
             context_lens=root_pos[spec_t],
             region_lens=n[spec_t] + 1,
             mask=masks.packed[spec_t].gather(1, region_t.unsqueeze(-1).expand(-1, -1, words)),
-            keep_kv=True,
+            tails=tails,
         )
     )
     verify.depths = (masks.depths[:, 1:] - 1).clamp(min=0)  # mask depths count the root as 1
-    verify.kept_row = to_device(kept_row, device)
     runner.drafter.counters.count_tree_rows(spec.size, rows.size)
 
 
@@ -319,25 +318,24 @@ def _move_accepted_path(
     root = verify.row_start.unsqueeze(1)
     dst = torch.where(on_path, root + 1 + k, root)
     src = torch.where(on_path, root + 1 + accepted, root)
-    # Only an off-chain node lands away from its own row; its K/V is in the kept copies.
-    kept = verify.kept_row.gather(1, accepted.clamp(min=0))
+    # Only an off-chain node lands away from its own row: its K/V moves from its slot in the cache.
     moved = on_path & (accepted != k)
     runner.drafter.counters.count_kv_moves(moved)
-    slots = runner.input_batch.block_table[0].slot_mapping.gpu[dst].long()
+    slot_of = runner.input_batch.block_table[0].slot_mapping.gpu
+    src_slots, dst_slots = slot_of[src].long(), slot_of[dst].long()
     if cuda_path(accepted.device):
         # Fixed shape, no sync: every (request, depth) pair is written; a no-op writes to slot -1,
         # which the cache writers skip.
-        kv_src, kv_slots = kept.clamp(min=0).flatten(), torch.where(moved, slots, -1).flatten()
+        kv_src, kv_dst = src_slots.flatten(), torch.where(moved, dst_slots, -1).flatten()
         src, dst = src.flatten(), dst.flatten()
     else:
         # On the CPU a compaction costs no device sync and spares the cache writes of the no-ops.
-        kv_src, kv_slots = kept[moved], slots[moved]
+        kv_src, kv_dst = src_slots[moved], dst_slots[moved]
         src, dst = src[moved], dst[moved]
         if src.numel() == 0:
             return
-    drafter = runner.drafter
     layers = runner.vllm_config.compilation_config.static_forward_context
-    attention.move_kv(step.forward.kept_kv, drafter.target_attn_layer_names, layers, kv_src, kv_slots)
+    attention.move_kv(runner.drafter.target_attn_layer_names, layers, kv_src, kv_dst)
     # The catch-up pass of the drafter reads these rows as the accepted chain.
     for hidden in step.hidden_states:
         hidden[dst] = hidden[src]

@@ -56,15 +56,17 @@ github.com/vllm-project/vllm issue or pull request N.
   Remove when: vLLM has a tree-verification interface and per-request draft limits.
 * :mod:`vllm_eagle2.engine.attention`: :func:`~vllm_eagle2.engine.attention.wrap_attention_layers`,
   from ``Eagle2Proposer.load_model``, on instances (neither recorded nor rolled back). Patched:
-  ``vllm.model_executor.layers.attention.attention.Attention.impl.forward``,
-  ``vllm.model_executor.layers.attention.attention.Attention.impl.do_kv_cache_update``, and the marker
+  ``vllm.model_executor.layers.attention.attention.Attention.impl.forward`` and the marker
   ``vllm.model_executor.layers.attention.attention.Attention.impl._eagle2_wrapped``, for every attention
   layer of ``static_forward_context`` (target and head; ``FlashAttentionImpl``, ``TritonAttentionImpl``,
   ``CPUAttentionBackendImpl``).
   Why: vLLM's attention kernels know causal masks only, and vLLM copies its attention metadata before
   the kernels see it (no field for a tree mask survives).
-  How: the stock kernel runs and writes the KV cache; the tree rows are recomputed with their masks by
-  eagle2's kernel and written over its result; a verification keeps a copy of the tree rows' K/V.
+  How: on CPU the stock kernel runs over each request's rows before its tree rows (its metadata
+  rebuilt once per forward with ``vllm._custom_ops.cpu_attn_get_scheduler_metadata``, the tree rows
+  as pseudo-requests of no tokens), and eagle2's kernel computes the tree rows from the cache in the
+  layout vLLM chose (``layer.isa``), in place; on CUDA the stock kernel computes every row and the
+  tree rows are recomputed by eagle2's kernel and written over its result.
   Upstream: vllm#18327 (open request for tree attention); vllm#42121 (merged) removed vLLM's TREE_ATTN.
   Remove when: vLLM's attention backends take per-request tree masks for speculative decoding.
 * :mod:`.scheduling`. Patched: ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``,
@@ -86,21 +88,20 @@ github.com/vllm-project/vllm issue or pull request N.
   Upstream: vllm#41481 (open: warm speculative-decoding kernels at start-up).
   Remove when: vLLM gives proposers a warm-up hook.
 * :mod:`.cpu_build` -- vLLM's CPU build only. Patched:
-  ``vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder.__init__``,
   ``torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading`` (torch's),
   with ``VLLM_EAGLE2_FIX_VLLM_CPU=1`` ``vllm.utils.cpu_triton_utils._expand_kernel_impl``; and the
   runner's ``_sample`` / ``_bookkeeping_sync`` hooks above.
-  Why: the bf16 "amx" KV layout is not one the tree kernel reads; a seeded request with a chunked prefill
+  Why: a seeded request with a chunked prefill
   crashed (``set_offset`` on a CPU generator); the CPU ``expand_kernel`` wrote into a copy (vLLM's own
   speculative methods sampled wrongly); vLLM's compile cache never loaded (``_try_load_aot_compiled_fn``
   calls ``finalize_loading`` on torch's bundled Inductor callable, which lacks it; every engine compiled
   again, a minute each on SmolLM2).
-  How: "vec" for eagle2 engines; discarded CPU generators kept untouched; the kernel in torch, written
+  How: discarded CPU generators kept untouched; the kernel in torch, written
   into ``output`` (opt-in); a no-op ``finalize_loading``, in every CPU engine.
-  Upstream: none filed for the layout, the generators (the CUDA-only rewind dates from vllm#10097) or
-  the compile cache; expand_kernel: vllm#42638 (closed unmerged).
-  Remove when: the CPU build reads "vec" for speculative engines, restores CPU generators, writes into
-  ``output``, and checks for ``finalize_loading``.
+  Upstream: none filed for the generators (the CUDA-only rewind dates from vllm#10097) or the compile
+  cache; expand_kernel: vllm#42638 (closed unmerged).
+  Remove when: the CPU build restores CPU generators, writes into ``output``, and checks for
+  ``finalize_loading``.
 
 Private vLLM methods relied on, besides the private ones patched above (whose signatures matter too);
 ``EagleProposer``'s are defined in ``vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer``:
@@ -116,12 +117,9 @@ Private vLLM methods relied on, besides the private ones patched above (whose si
   ``Eagle2Proposer.load_model`` (which attention layers are the target's).
 * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run``: engine/startup.py, ``calibrate_budget``
   (times the target alone).
-* ``vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder._set_isa_to_layers``:
-  patches/cpu_build.py, the builder's ``__init__`` (its layers take the "vec" layout too).
 
   Why: ``Eagle2Proposer`` subclasses ``EagleProposer`` and reuses its inputs, padding and CUDA-graph
-  dispatch. Upstream: vllm#36219 (RFC, open: proposer interface); none filed for ``_dummy_run`` or
-  the CPU layout.
+  dispatch. Upstream: vllm#36219 (RFC, open: proposer interface); none filed for ``_dummy_run``.
   Remove when: these are public (or the proposer interface offers them); ``tests/test_patch_index.py``
   fails on any private name read that is not listed here.
 """
@@ -130,8 +128,7 @@ from __future__ import annotations
 
 import logging
 
-from .cpu_build import FIX_VLLM_CPU_ENV, VEC_LAYOUT_ENV
-from .cpu_build import patch_cpu_attention as _patch_cpu_attention
+from .cpu_build import FIX_VLLM_CPU_ENV
 from .cpu_build import patch_cpu_compile_cache as _patch_cpu_compile_cache
 from .cpu_build import patch_cpu_sampling_expansion as _patch_cpu_sampling_expansion
 from .model_runner import DRAFTS_ATTR
@@ -144,7 +141,7 @@ from .speculative_config import guard_unsupported_version, patch_engine_args, pa
 from .vllm_config import patch_vllm_config
 from .workers import patch_workers as _patch_workers
 
-__all__ = ["DRAFTS_ATTR", "FIX_VLLM_CPU_ENV", "SUPPORTED_VLLM", "VEC_LAYOUT_ENV", "apply"]
+__all__ = ["DRAFTS_ATTR", "FIX_VLLM_CPU_ENV", "SUPPORTED_VLLM", "apply"]
 
 logger = logging.getLogger("vllm.eagle2")
 
@@ -195,7 +192,6 @@ def apply() -> bool:
             _patch_runner,
             _patch_workers,
             _patch_engine_core,
-            _patch_cpu_attention,
             _patch_cpu_compile_cache,
             _patch_cpu_sampling_expansion,
         ):

@@ -1,6 +1,6 @@
-"""vLLM's CPU build: the KV layout the tree attention reads, and two fixes of the build's bugs
-(vLLM 0.32 ``v1/attention/backends/cpu_attn.py``, ``utils/cpu_triton_utils.py``, and the
-runner's generator rewind, hooked in :mod:`.model_runner`)."""
+"""vLLM's CPU build: fixes of three of its bugs (vLLM 0.32 ``utils/cpu_triton_utils.py``, torch's
+bundled Inductor callable under vLLM's compile cache, and the runner's generator rewind, hooked in
+:mod:`.model_runner`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from .record import set_attr
 
 #: Set to 1 to fix two bugs of vLLM's CPU build in engines that do not use eagle2 as well.
 FIX_VLLM_CPU_ENV = "VLLM_EAGLE2_FIX_VLLM_CPU"
-#: Set to 1 to give engines without eagle2 eagle2's bf16 KV layout ("vec" for "amx") too, so
-#: that the layout's share of eagle2's cost can be measured (the benchmark's ``nospec_vec``).
-VEC_LAYOUT_ENV = "VLLM_EAGLE2_CPU_VEC_LAYOUT"
 
 
 def fix_every_engine() -> bool:
@@ -38,31 +35,6 @@ def discarded_cpu_generator_rows(runner: Any) -> list[int]:
 def discarded_cpu_generators(runner: Any) -> list[Any]:
     generators = runner.input_batch.generators
     return [generators[i] for i in discarded_cpu_generator_rows(runner)]
-
-
-def patch_cpu_attention() -> None:
-    """An eagle2 engine's bf16 "amx" KV layout becomes "vec", which the tree attention reads.
-
-    Decided by each attention builder from its own engine's config, so that an engine without
-    eagle2 in the same process keeps vLLM's layout."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends import cpu_attn
-
-    builder = cpu_attn.CPUAttentionMetadataBuilder
-    init = builder.__init__
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs) -> None:
-        init(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
-        spec = vllm_config.speculative_config
-        eagle2 = spec is not None and spec.method == "eagle2"
-        if self.isa == "amx" and (eagle2 or os.environ.get(VEC_LAYOUT_ENV, "0") == "1"):
-            self.isa = "vec"
-            self._set_isa_to_layers(layer_names)
-
-    set_attr(builder, "__init__", __init__)
 
 
 def patch_cpu_compile_cache() -> None:

@@ -6,9 +6,6 @@ The same prompts go through, one engine after another (each shut down before the
 * ``nospec_sync`` (only when named): no speculation with vLLM's asynchronous scheduling off, as
   vLLM 0.32 runs every engine with a speculative method other than its own (eagle2 included):
   what of eagle2's cost in steps without drafts is that scheduling and not eagle2;
-* ``nospec_vec`` (only when named): no speculation with eagle2's bf16 KV-cache layout (on CPUs where
-  vLLM would pick its "amx" layout, eagle2 engines use "vec", which its tree attention reads): what
-  of that cost is the layout;
 * ``eagle``: vLLM's built-in ``eagle`` method with the same head, for every ``num_speculative_tokens`` in
   ``--eagle-k`` (default 1..6); the table shows the fastest, the JSON all of them;
 * ``eagle3``, ``eagle3_trees`` (only when named in ``--modes``): an EAGLE-3 head (``--eagle3-head``; with
@@ -150,7 +147,7 @@ def _engine_options(p: argparse._ActionsContainer) -> None:
         "--modes",
         default=",".join(DEFAULT_MODES),
         help=f"comma list of {', '.join(ALL_MODES)} "
-        "(default: all but eagle3*, ngram, suffix, lookup*, nospec_sync, nospec_vec)",
+        "(default: all but eagle3*, ngram, suffix, lookup*, nospec_sync)",
     )
     p.add_argument("--eagle3-head", type=Path, default=None, help="EAGLE-3 head folder for the eagle3 modes")
     p.add_argument("--eagle-k", type=_int_list, default=[1, 2, 3, 4, 5, 6], help="built-in eagle k list")

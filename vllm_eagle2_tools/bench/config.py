@@ -26,7 +26,6 @@ DEFAULT_MODES = ("nospec", "eagle", "defaults", "never", *TREE_MODES)
 ALL_MODES = (
     "nospec",
     "nospec_sync",
-    "nospec_vec",
     "eagle",
     *EAGLE3_MODES,
     *LOOKUP_MODES,
@@ -192,11 +191,6 @@ def plan_runs(args: argparse.Namespace, target: Target, bs: int) -> list[Run]:
             # methods; eagle2 engines run synchronously, as this one does.
             label, sync = "no speculation, synchronous scheduling", {"async_scheduling": False}
             plan.append(Run("nospec_sync", label, bs, None, engine_kwargs=sync))
-        elif mode == "nospec_vec":
-            from vllm_eagle2.patches import VEC_LAYOUT_ENV  # torch: not at import, so --help stays fast
-
-            label, vec = "no speculation, eagle2's KV layout", {"env": {VEC_LAYOUT_ENV: "1"}}
-            plan.append(Run("nospec_vec", label, bs, None, engine_kwargs=vec))
         elif mode == "eagle":
             for kk in args.eagle_k:
                 spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": kk}
