@@ -2,13 +2,14 @@
 
 Runs eagle2 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and, in every tree-attention call of
 the target and the drafter, computes the tree rows with both CPU backends (the C++ kernel and its
-torch twin) on the same inputs, before the engine's own call goes on. Reported:
+torch twin) on the same inputs (the cache in the layout vLLM chose), before the engine's own call
+goes on. Reported:
 
 * per call, the fraction of output elements where the two backends differ (in the model's dtype),
   and the largest difference.
 
-(Rows whose tree mask equals the causal one keep vLLM's own result and are not recomputed, so
-there is no row left on which to compare the backends with vLLM's kernel.)
+(Rows before a request's tree rows are vLLM's kernel's alone, so there is no row on which to
+compare the backends with vLLM's kernel.)
 
 In float32 the backends differ only in the last bits; in bfloat16 a differing element is one
 rounding step, which is what makes a near-tie flip between speculative and plain decoding.
@@ -47,10 +48,11 @@ def main() -> None:
     configure_cpu_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook must reach the attention layers
 
+    import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_eagle2.engine import attention
-    from vllm_eagle2.kernels import kv_cache_views, paged_tree_attention
+    from vllm_eagle2.engine import cpu_rows
+    from vllm_eagle2.kernels import cpu_tree_attention
 
     if args.tiny:
         from vllm_eagle2_tools.testing import build_pair
@@ -69,22 +71,24 @@ def main() -> None:
         prompts = load_prompts("mtbench", Path(model), args.num_prompts, chat=True)
 
     calls: list[tuple[float, float]] = []  # (fraction differing, max abs difference) per call
-    stock_tree_forward = attention._tree_forward
+    stock_tree_rows = cpu_rows.cpu_tree_rows
 
-    def compared(impl, layer, query, kv_cache, output, batch, *rest):  # type: ignore[no-untyped-def]
-        key_cache, value_cache = kv_cache_views(kv_cache, attention._layout_of(impl))
-        tensors = (query[batch.rows], key_cache, value_cache, batch.block_table, batch.query_start_loc)
-        tensors += (batch.context_lens, batch.region_lens, batch.mask)
-        got = {b: paged_tree_attention(*tensors, impl.scale, backend=b) for b in ("cpp", "torch")}
+    def compared(impl, layer, query, kv_cache, output, batch):  # type: ignore[no-untyped-def]
+        stock_tree_rows(impl, layer, query, kv_cache, output, batch)  # the plan, made once per forward
+        plan = batch.plan_cache[("cpu", *kv_cache.shape[:3])]
+        got = {}
+        for backend in ("cpp", "torch"):
+            out = torch.zeros(query.shape[0], impl.num_heads, query.shape[2], dtype=query.dtype)
+            cpu_tree_attention(query, kv_cache, layer.isa, plan, impl.scale, out, backend=backend)
+            got[backend] = out[batch.rows]
         calls.append(
             (
                 (got["cpp"] != got["torch"]).float().mean().item(),
                 (got["cpp"].float() - got["torch"].float()).abs().max().item(),
             )
         )
-        return stock_tree_forward(impl, layer, query, kv_cache, output, batch, *rest)
 
-    attention._tree_forward = compared
+    cpu_rows.cpu_tree_rows = compared
     dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     llm = LLM(
         model=model,
