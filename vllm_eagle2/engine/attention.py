@@ -234,18 +234,15 @@ def check_kernel_blocks(kv_cache_config: KVCacheConfig, kernel_block_sizes: list
 
 
 def tree_caches(layers: dict[str, Any]) -> list[AttentionCache]:
-    """The CUDA cache views the Triton tree kernel reads, one layer per distinct geometry, dtype and
-    strides (what a kernel variant depends on): the target's layers and the head's."""
+    """The cache views the Triton tree kernel reads, one layer per distinct geometry, dtype and
+    strides (what a kernel variant depends on): the target's layers and the head's. (CUDA caches;
+    a CPU engine's "vec" caches have views too, which the tests warm up under Triton's interpreter.)"""
     found: dict[tuple, AttentionCache] = {}
     for layer in layers.values():
         kv_cache = getattr(layer, "kv_cache", None)
-        if (
-            not isinstance(kv_cache, torch.Tensor)
-            or kv_cache.numel() == 0
-            or _backend_of(layer.impl) != "flash"
-        ):
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0 or _layout_of(layer) == "amx":
             continue
-        key_cache, value_cache = kv_cache_views(kv_cache, "flash")
+        key_cache, value_cache = kv_cache_views(kv_cache, _layout_of(layer))
         signature = (key_cache.shape[1:], key_cache.stride(), key_cache.dtype, layer.impl.num_heads)
         found.setdefault(signature, AttentionCache(key_cache, value_cache, layer.impl.num_heads))
     return list(found.values())
