@@ -33,7 +33,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -58,7 +58,7 @@ typedef uint16_t VH __attribute__((vector_size(kW * sizeof(uint16_t))));
 constexpr int kRB = 6;         // rows per register block: 6 rows x 2 vectors = 12 accumulators
 constexpr int kRowTile = 24;   // query rows (query x group head) per item
 constexpr int kChunk = 256;    // tokens per softmax chunk (scores stay in L1/L2)
-constexpr int kMinSplit = 256; // fewest tokens of a split: shorter ones cost more than they share
+constexpr int kMinSplit = 128; // fewest tokens of a split: shorter ones cost more than they share
 constexpr float kHidden = -1e30f;  // the score of a token a row does not see (finite: no inf math)
 
 enum Layout : int64_t { kVec = 0, kAmx = 1 };
@@ -79,7 +79,9 @@ inline VF load_f(const float* p) {
   return v;
 }
 inline void store_f(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
-inline VF splat(float x) { return VF{} + x; }
+// x in every lane: one broadcast. (Not VF{} + x: adding +0 is no identity for -0.0, so the compiler
+// keeps that add; subtracting +0 is one, and folds away.)
+inline VF splat(float x) { return x - VF{}; }
 
 // kW consecutive cache elements as floats.
 template <typename T>
@@ -90,9 +92,19 @@ inline VF load_as_float<float>(const float* p) {
 }
 template <>
 inline VF load_as_float<c10::BFloat16>(const c10::BFloat16* p) {
+  // A bf16 is the high half of its float: widen and shift (one zero-extending load where the ISA
+  // has it; GCC's generic widening of a vector took four shuffles).
+#if EAGLE2_W == 16 && defined(__AVX512F__)
+  return (VF)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif EAGLE2_W == 8 && defined(__AVX2__)
+  return (VF)_mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
   VH h;
   std::memcpy(&h, p, sizeof(h));
   return bits_to_float(__builtin_convertvector(h, VU) << 16);
+#endif
 }
 template <>
 inline VF load_as_float<c10::Half>(const c10::Half* p) {
