@@ -3,9 +3,9 @@
 Side by side in one process, same model, same prompt, batch 1: the target's forward pass
 (``GPUModelRunner._model_forward``) is timed at every step of
 
-* eagle2 with m tree nodes per step (stock CPU attention for the causal part, then the
-  tree rows recomputed with per-request masks by ``vllm_eagle2.kernels``, once per CPU
-  backend named in ``--cpu-attention``: the C++ kernel and/or the torch twin), and
+* eagle2 with m tree nodes per step (vLLM's CPU attention over the root and its leading
+  chain, eagle2's kernel over the other tree rows with their masks, once per CPU backend
+  named in ``--cpu-attention``: the C++ kernel and/or the torch twin), and
 * vLLM's own ``eagle`` chain with m draft tokens (stock causal attention only),
 
 and the median over the steps that verified exactly m drafts is reported, next to a

@@ -18,9 +18,10 @@
 // Work: items of (request, kv head, tile of up to kRowTile query rows, range of the sequence),
 // the range split so that every thread has items at batch 1 (flash-decoding); the splits are
 // merged by their log-sum-exp afterwards. Inside an item, chunks of kChunk tokens with an online
-// softmax: scores [rows, chunk] as register-blocked outer products (a query row's scaled float
-// value broadcast against a vector of tokens), the mask, exp, then P x V the same way. All
-// scratch is per thread and kept across calls (every layer of every forward reuses it).
+// softmax: scores [rows, chunk] as register-blocked outer products (a query row's value broadcast
+// against a vector of tokens; on the amx layout a pair of the query's bf16 dims against the cache's
+// pairs, one vdpbf16ps where the CPU has AVX-512 BF16), the mask, exp, then P x V the same way in
+// float32. All scratch is per thread and kept across calls (every layer of every forward reuses it).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -149,11 +150,15 @@ struct Geometry {
   int64_t cache_block_stride, cache_head_stride;  // elements
 };
 
-// Scores of kRB rows (q: [kRB, D] float, scaled) against the 2 * kW tokens at in-block offset
-// `off` of one (block, kv head): s[rr * lds + t].
+// Scores of kRB rows against the 2 * kW tokens at in-block offset `off` of one (block, kv head):
+// s[rr * lds + t]. "vec": q is [kRB, D] float, already scaled. "amx": qp is [kRB, D / 2] words, the
+// query's own bf16 pairs (low half the even dim, as the cache's key pairs), and the scores are
+// scaled here: a pair of products is one bf16 dot product (vdpbf16ps where the CPU has it, else two
+// float FMAs of the same exact products).
 template <typename T, int64_t layout>
-inline void qk_block(const float* __restrict__ q, int64_t ldq, const T* __restrict__ kb, int64_t off,
-                     const Geometry& g, float* __restrict__ s, int64_t lds) {
+inline void qk_block(const float* __restrict__ q, const uint32_t* __restrict__ qp, int64_t ldq,
+                     const T* __restrict__ kb, int64_t off, const Geometry& g, float scale,
+                     float* __restrict__ s, int64_t lds) {
   VF acc[kRB][2] = {};
   const int64_t D = g.head_dim;
   if constexpr (layout == kVec) {
@@ -175,14 +180,33 @@ inline void qk_block(const float* __restrict__ q, int64_t ldq, const T* __restri
       k[v] = kw + (t / 16) * 8 * D + t % 16;
     }
     for (int64_t j = 0; j < D / 2; ++j) {
+#if EAGLE2_W == 16 && defined(__AVX512BF16__)
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k[0] + j * 16);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k[1] + j * 16);
+      for (int rr = 0; rr < kRB; ++rr) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[rr * ldq + j]));
+        acc[rr][0] = (VF)_mm512_dpbf16_ps((__m512)acc[rr][0], k0, qv);
+        acc[rr][1] = (VF)_mm512_dpbf16_ps((__m512)acc[rr][1], k1, qv);
+      }
+#else
       VF lo[2], hi[2];
       unpack_pairs(k[0] + j * 16, lo[0], hi[0]);
       unpack_pairs(k[1] + j * 16, lo[1], hi[1]);
       for (int rr = 0; rr < kRB; ++rr) {
-        const VF q0 = splat(q[rr * ldq + 2 * j]), q1 = splat(q[rr * ldq + 2 * j + 1]);
+        const uint32_t w = qp[rr * ldq + j];
+        float q_lo, q_hi;
+        const uint32_t w_lo = w << 16, w_hi = w & 0xFFFF0000u;
+        std::memcpy(&q_lo, &w_lo, sizeof(q_lo));
+        std::memcpy(&q_hi, &w_hi, sizeof(q_hi));
+        const VF q0 = splat(q_lo), q1 = splat(q_hi);
         acc[rr][0] += q0 * lo[0] + q1 * hi[0];
         acc[rr][1] += q0 * lo[1] + q1 * hi[1];
       }
+#endif
+    }
+    for (int rr = 0; rr < kRB; ++rr) {
+      acc[rr][0] *= scale;
+      acc[rr][1] *= scale;
     }
   }
   for (int rr = 0; rr < kRB; ++rr) {
@@ -255,9 +279,10 @@ struct Item {
 // Per-thread scratch, kept across calls: padded queries, scores, accumulators, softmax state.
 struct Scratch {
   std::vector<float> q, s, acc, m, l;
+  std::vector<uint32_t> qp;  // the amx layout's query pairs
   void fit(int64_t rows, int64_t dim) {
     const int64_t need_q = rows * dim, need_s = rows * (kChunk + 2 * kW);
-    if (static_cast<int64_t>(q.size()) < need_q) q.resize(need_q), acc.resize(need_q);
+    if (static_cast<int64_t>(q.size()) < need_q) q.resize(need_q), acc.resize(need_q), qp.resize(need_q / 2);
     if (static_cast<int64_t>(s.size()) < need_s) s.resize(need_s);
     if (static_cast<int64_t>(m.size()) < rows) m.resize(rows), l.resize(rows);
   }
@@ -271,17 +296,24 @@ void run_item(const Item& it, const Request& rq, const T* q_ptr, int64_t qs0, in
   const int64_t rows_pad = (it.rows + kRB - 1) / kRB * kRB;
   sc.fit(rows_pad, D);
   float* __restrict__ qf = sc.q.data();
+  uint32_t* __restrict__ qp = sc.qp.data();
   float* __restrict__ acc = sc.acc.data();
   float* __restrict__ m = sc.m.data();
   float* __restrict__ l = sc.l.data();
   std::fill(qf, qf + rows_pad * D, 0.0f);
+  std::fill(qp, qp + rows_pad * D / 2, 0u);
   std::fill(acc, acc + rows_pad * D, 0.0f);
   std::fill(m, m + rows_pad, kHidden);
   std::fill(l, l + rows_pad, 0.0f);
   for (int64_t rr = 0; rr < it.rows; ++rr) {
     const int64_t row = it.row0 + rr, i = row / grp, head = it.kv_head * grp + row % grp;
     const T* src = q_ptr + (rq.first_row + i) * qs0 + head * qs1;
-    for (int64_t d = 0; d < D; ++d) qf[rr * D + d] = static_cast<float>(src[d * qs2]) * scale;
+    if constexpr (layout == kAmx) {  // T is bf16: its pairs as they are, the scale on the scores
+      for (int64_t j = 0; j < D / 2; ++j)
+        qp[rr * D / 2 + j] = uint32_t{src[2 * j * qs2].x} | (uint32_t{src[(2 * j + 1) * qs2].x} << 16);
+    } else {
+      for (int64_t d = 0; d < D; ++d) qf[rr * D + d] = static_cast<float>(src[d * qs2]) * scale;
+    }
   }
   const int64_t lds = kChunk + 2 * kW;
   for (int64_t c0 = it.s0; c0 < it.s1; c0 += kChunk) {
@@ -291,7 +323,8 @@ void run_item(const Item& it, const Request& rq, const T* q_ptr, int64_t qs0, in
     for (int64_t t = c0; t < c1; t += 2 * kW) {
       const T* kb = cache + bt[t / bs] * g.cache_block_stride + it.kv_head * g.cache_head_stride;
       for (int64_t r0 = 0; r0 < rows_pad; r0 += kRB)
-        qk_block<T, layout>(qf + r0 * D, D, kb, t % bs, g, s + r0 * lds + (t - c0), lds);
+        qk_block<T, layout>(qf + r0 * D, qp + r0 * D / 2, layout == kAmx ? D / 2 : D, kb, t % bs, g, scale,
+                            s + r0 * lds + (t - c0), lds);
     }
     // Only the chunk's n scores are read from here on: the lanes past the sequence (unwritten
     // slots, any bits) are left out of the softmax and P x V.
