@@ -218,9 +218,13 @@ def test_tp2_ranks_timing_apart_take_the_same_decisions(tp2):
     rank 0's at each step's plan)."""
     ranks = tp2["eagle2"]["budgets"]
     assert len(ranks) == 2
+    assert ranks[0]["prices_ms"] != ranks[1]["prices_ms"]  # the ranks did time apart
     same = [{k: v for k, v in rank.items() if k != "prices_ms"} for rank in ranks]
     assert same[0] == same[1]
-    assert len(same[0]["shapes"]) >= 2, same[0]  # the plan moved with the prices: timing decided
+    # Decisions were taken, step by step: drafts per step varied. (Whether the head's levels pay
+    # beside the lookup chains sits near break-even for tiny models, so which shapes win is the
+    # machine's: asserting two shapes failed on a machine whose prices never planned the head.)
+    assert len(same[0]["drafts_per_step"]) >= 2, same[0]
 
 
 # --- the verifier's peak memory -----------------------------------------------------------------
