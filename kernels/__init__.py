@@ -9,6 +9,7 @@ from .kv_cache import (
     read_kv_slots,
     write_kv_slots,
 )
+from .kv_moves import move_kv_slots
 from .tree_attention import paged_tree_attention
 from .tree_attention_cpu import (
     CPU_BACKEND_ENV,
@@ -44,6 +45,7 @@ __all__ = [
     "cpu_layout",
     "cpu_tree_attention",
     "kv_cache_views",
+    "move_kv_slots",
     "pack_tree_mask",
     "paged_tree_attention",
     "plan_cpu_tree_attention",

@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["load_cpu_ops"]
 
-_SOURCES = [Path(__file__).parent / "csrc" / "tree_attention_cpu.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("tree_attention_cpu.cpp", "kv_moves_cpu.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _loaded = False
 

@@ -181,6 +181,7 @@ LAYERS = {
         "test_tree_mask",
         "test_tree_attention",
         "test_cpu_tree_attention",
+        "test_kv_moves",
         "test_vocab_topk",
         "test_kernel_warmup",
         "test_runner",

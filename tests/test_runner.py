@@ -151,6 +151,26 @@ def test_moved_kv_is_read_from_the_cache_before_any_slot_is_written():
                        read_kv_slots(before, "flash", torch.tensor(untouched))[0])  # fmt: skip
 
 
+class CPUAttentionImplFake:
+    """Named as vLLM's CPU backend, so the layer's cache is one of vLLM's CPU layouts."""
+
+
+def test_cpu_layers_move_their_kv_in_one_call_per_layout(monkeypatch):
+    """Every CPU layer's K/V moves in one kernel call (per layout), within the layout vLLM chose."""
+    calls = []
+    monkeypatch.setattr(attention, "move_kv_slots", lambda caches, layout, *_: calls.append((caches, layout)))
+    layers = {
+        f"l{i}": SimpleNamespace(impl=CPUAttentionImplFake(), isa=isa, kv_cache=torch.zeros(1, 1, 32, 128))
+        for i, isa in enumerate(["vec", "vec16", "amx"])
+    }
+    attention.move_kv(set(layers), layers, torch.tensor([3]), torch.tensor([1]))
+    by_layout = {layout: {id(c) for c in caches} for caches, layout in calls}
+    assert len(calls) == 2 and by_layout == {
+        "vec": {id(layers["l0"].kv_cache), id(layers["l1"].kv_cache)},
+        "amx": {id(layers["l2"].kv_cache)},
+    }
+
+
 # --------------------------------------------------------------------------- #
 # On CPU: vLLM's kernel over the rows before the tree rows only
 # --------------------------------------------------------------------------- #

@@ -43,6 +43,7 @@ from vllm_eagle2.kernels import (
     cpu_backend,
     cpu_layout,
     kv_cache_views,
+    move_kv_slots,
     paged_tree_attention,
     read_kv_slots,
 )
@@ -252,12 +253,20 @@ def move_kv(
     layer_names: set[str], layers: dict[str, Any], src_slots: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
     """Copy the K/V at cache slots ``src_slots`` [K] to ``dst_slots`` [K] in the layers named (the
-    target's), read in each cache's layout and written with the backend's own writer. All sources
-    are read before any destination is written; a destination of -1 writes nothing (vLLM's
-    writers skip padding slots)."""
+    target's). CPU caches: copied within their layout, every layer in one call
+    (:func:`~vllm_eagle2.kernels.move_kv_slots`); CUDA caches: read in their layout and written
+    with the backend's own writer. All sources are read before any destination is written; a
+    destination of -1 writes nothing (vLLM's writers skip padding slots)."""
     if src_slots.numel() == 0:
         return
+    on_cpu: dict[str, list[torch.Tensor]] = {}  # layout -> caches: one call moves them all
     for name in layer_names:
         layer = layers[name]
-        key, value = read_kv_slots(layer.kv_cache, _layout_of(layer), src_slots)
+        layout = _layout_of(layer)
+        if layout != "flash":
+            on_cpu.setdefault(layout, []).append(layer.kv_cache)
+            continue
+        key, value = read_kv_slots(layer.kv_cache, layout, src_slots)
         layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, dst_slots)
+    for layout, caches in on_cpu.items():
+        move_kv_slots(caches, layout, src_slots, dst_slots)
