@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "CPU_KV_LAYOUTS",
+    "CPU_LAYOUT_CODES",
     "KV_LAYOUTS",
     "check_cpu_kv_layout",
     "cpu_layout",
@@ -34,6 +35,9 @@ __all__ = [
 
 #: vLLM's CPU attention ISAs whose cache layout eagle2 reads, and the layout each one writes.
 CPU_KV_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
+#: Each CPU layout's code in the C++ kernels (``enum Layout`` of ``csrc/*.cpp``).
+CPU_LAYOUT_CODES = {"vec": 0, "amx": 1}
+assert set(CPU_KV_LAYOUTS.values()) == set(CPU_LAYOUT_CODES)
 #: Layouts understood by :func:`read_kv_slots` (``"vec"`` and ``"flash"`` by :func:`kv_cache_views` too).
 KV_LAYOUTS = ("vec", "amx", "flash")
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 import torch
 
 from ._cpp import load_cpu_ops
-from .kv_cache import read_kv_slots, write_kv_slots
+from .kv_cache import CPU_LAYOUT_CODES, read_kv_slots, write_kv_slots
 from .tree_attention_cpu import cpu_backend
 
 __all__ = ["move_kv_slots", "move_kv_slots_torch"]
-
-_LAYOUT_CODES = {"vec": 0, "amx": 1}
 
 
 def move_kv_slots_torch(
@@ -42,14 +40,14 @@ def move_kv_slots(
         ValueError: an unknown layout or backend.
         RuntimeError: (cpp) a cache or a slot the copy cannot address.
     """
-    if layout not in _LAYOUT_CODES:
-        raise ValueError(f"move_kv_slots moves within layouts {sorted(_LAYOUT_CODES)}, got {layout!r}")
+    if layout not in CPU_LAYOUT_CODES:
+        raise ValueError(f"move_kv_slots moves within layouts {sorted(CPU_LAYOUT_CODES)}, got {layout!r}")
     if backend == "auto":
         backend = cpu_backend()
     src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
     if backend == "cpp":
         load_cpu_ops()
-        torch.ops.eagle2_cpu.move_kv_slots(caches, _LAYOUT_CODES[layout], src, dst)
+        torch.ops.eagle2_cpu.move_kv_slots(caches, CPU_LAYOUT_CODES[layout], src, dst)
     elif backend == "torch":
         move_kv_slots_torch(caches, layout, src, dst)
     else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ._cpp import load_cpu_ops
-from .kv_cache import CPU_KV_LAYOUTS, cpu_layout
+from .kv_cache import CPU_LAYOUT_CODES, cpu_layout
 from .tree_attention_cpu_torch import cpu_tree_attention_torch, plan_torch
 
 __all__ = ["CPU_BACKEND_ENV", "CpuTreePlan", "cpu_backend", "cpu_tree_attention", "plan_cpu_tree_attention"]
@@ -34,7 +34,6 @@ logger = logging.getLogger("vllm.eagle2")  # under vLLM's logger: its handlers a
 #: Environment variable that picks the CPU backend of ``backend="auto"`` (unset: cpp, else torch).
 CPU_BACKEND_ENV = "VLLM_EAGLE2_CPU_ATTENTION"
 _cpp_state: dict[str, bool] = {}  # "ok": whether the kernel was built, once tried
-_LAYOUT_CODES = {"vec": 0, "amx": 1}
 
 
 @dataclass(frozen=True)
@@ -167,10 +166,14 @@ def cpu_tree_attention(
     elif backend == "cpp":
         load_cpu_ops()
         torch.ops.eagle2_cpu.tree_attention(
-            query, kv_cache, _LAYOUT_CODES[layout], plan.block_table, plan.plan, plan.mask, float(scale), out
+            query,
+            kv_cache,
+            CPU_LAYOUT_CODES[layout],
+            plan.block_table,
+            plan.plan,
+            plan.mask,
+            float(scale),
+            out,
         )
     else:
         raise ValueError(f"backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
-
-
-assert set(CPU_KV_LAYOUTS.values()) == set(_LAYOUT_CODES)

@@ -300,8 +300,11 @@ void run_item(const Item& it, const Request& rq, const T* q_ptr, int64_t qs0, in
   float* __restrict__ acc = sc.acc.data();
   float* __restrict__ m = sc.m.data();
   float* __restrict__ l = sc.l.data();
-  std::fill(qf, qf + rows_pad * D, 0.0f);
-  std::fill(qp, qp + rows_pad * D / 2, 0u);
+  // Only the layout's own query buffer is read: padding rows zeroed there alone.
+  if constexpr (layout == kAmx)
+    std::fill(qp, qp + rows_pad * D / 2, 0u);
+  else
+    std::fill(qf, qf + rows_pad * D, 0.0f);
   std::fill(acc, acc + rows_pad * D, 0.0f);
   std::fill(m, m + rows_pad, kHidden);
   std::fill(l, l + rows_pad, 0.0f);
