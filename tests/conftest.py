@@ -177,6 +177,7 @@ LAYERS = {
         "test_lookup",
         "test_graft",
         "test_budget",
+        "test_budget_outcomes",
         "test_fuzz_core",
         "test_tree_mask",
         "test_tree_attention",

@@ -812,7 +812,9 @@ def decisions_of_ranks(budgets: list) -> list[list]:
             passes[rank].append(tokens)
             return slow * scale * (1.0 + tokens / 16)
 
-        budget.calibrate(lambda t: time_pass(t, 0.02), lambda t: time_pass(t, 0.002))
+        budget.calibrate(
+            lambda t, context: (time_pass(t, 0.02), 1.0), lambda t: time_pass(t, 0.002), long_context=512
+        )
     decisions: list[list] = [[p] for p in passes]
     for step in range(40):
         batch = 1 + step % 5
@@ -877,7 +879,7 @@ def test_the_cuda_clock_resolves_every_step_and_a_plain_steps_overhead_excludes_
         depth=2, topk=2, max_nodes=4, chain=False, max_batch=4, max_tokens=64, device=torch.device("cpu")
     )
     budget.clock.cuda = True
-    budget.calibrate(lambda tokens: 0.05, lambda rows: 0.005)
+    budget.calibrate(lambda tokens, context: (0.05, 1.0), lambda rows: 0.005)
     for _ in range(60):
         times = budget.learn(4)
         FakeEvent.now[0] += 0.05  # the target pass, waited for on the host (vLLM's sync)
@@ -901,7 +903,7 @@ def test_a_steps_own_timings_move_the_prices_only_once_the_next_step_starts(monk
         adaptive, "allocate_nodes", lambda *args, **kwargs: seen.append(args[4]) or args[2].long()
     )
     budget = rank_budgets(joined=False)[0]
-    budget.calibrate(lambda tokens: 0.02 * (1 + tokens / 16), lambda rows: 0.002)
+    budget.calibrate(lambda tokens, context: (0.02 * (1 + tokens / 16), 1.0), lambda rows: 0.002)
     values, depths = torch.full((2, 12), 0.5).log(), torch.ones(2, 12, dtype=torch.long)
     args = (values, depths, torch.ones(2, dtype=torch.bool))
     times = budget.learn(2)

@@ -80,15 +80,20 @@ class AcceptanceTable:
 
     stats: [depth, 2 * topk + 2] float32 on the device: trials | accepts per (depth, rank), then
     per depth the summed exp(value) of verified nodes and their accepted count. model: the
-    :class:`AcceptanceModel` read from the last host copy.
+    :class:`AcceptanceModel` read from the last host copy. accepted: [] float32 on the device,
+    the drafts the last verification accepted, every kind (head and lookup); ``last_accepted``
+    its value in the last host copy (None: no copy landed since the previous read).
     """
 
     def __init__(self, depth: int, topk: int, device: torch.device) -> None:
         self.depth, self.topk = depth, topk
         self.model = AcceptanceModel(depth, topk)
         self.stats = torch.zeros(depth, 2 * topk + 2, device=device)
-        self._host = torch.zeros_like(self.stats, device="cpu", pin_memory=device.type == "cuda")
+        self.accepted = torch.zeros((), device=device)
+        # One host buffer for both: the stats, then the accepted count.
+        self._host = torch.zeros(self.stats.numel() + 1, pin_memory=device.type == "cuda")
         self._copied = False
+        self.last_accepted: float | None = None
 
     def record(
         self,
@@ -119,14 +124,17 @@ class AcceptanceTable:
 
     def copy_to_host(self) -> None:
         """Start the table's copy to the host; it lands with the drafter's next host sync."""
-        self._host.copy_(self.stats, non_blocking=True)
+        self._host[:-1].view_as(self.stats).copy_(self.stats, non_blocking=True)
+        self._host[-1:].copy_(self.accepted.view(1), non_blocking=True)
         self._copied = True
 
     def read_host_copy(self) -> None:
         """After the drafter's host sync: the model takes the copied counts."""
+        self.last_accepted = None
         if self._copied:
-            host = self._host.numpy()
+            host = self._host[:-1].view(self.stats.shape).numpy()
             self.model.update(host[:, : self.topk], host[:, self.topk : 2 * self.topk])
+            self.last_accepted = float(self._host[-1])
             self._copied = False
 
     def correction(self) -> torch.Tensor:

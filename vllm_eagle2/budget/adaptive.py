@@ -6,6 +6,9 @@
   went on at a loss. On CUDA the timings are events, read when the next step starts.
 * **Acceptance** (:mod:`.acceptance`): the verifier adds each step's outcome to a small device table,
   copied with the drafter's own transfer.
+* **Outcomes** (:mod:`.outcomes`): the rates that drafting and plain steps really reached, per batch
+  band. A plan with head drafts runs only while drafting measures at least as fast as plain
+  decoding; probes keep both measured.
 * **Three calls a step.** :meth:`AdaptiveBudget.learn` as the step starts, from the record of the
   step before (:class:`~vllm_eagle2.budget.timing.StepTimes`, which each step fills as it runs;
   the call returns the new step's);
@@ -44,7 +47,8 @@ from vllm_eagle2.budget.decisions import (
     plan_draft,
     step_cost,
 )
-from vllm_eagle2.budget.prices import Prices
+from vllm_eagle2.budget.outcomes import Outcomes
+from vllm_eagle2.budget.prices import Prices, TimeTarget
 from vllm_eagle2.budget.summary import StepCounters
 from vllm_eagle2.budget.timing import Sent, StepTimes
 from vllm_eagle2.config import Eagle2Settings
@@ -142,6 +146,7 @@ class AdaptiveBudget:
         self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
         self.max_tokens = max_tokens  # a step's token budget (vLLM's max_num_batched_tokens)
         self.prices = Prices(max_tokens, max_batch * topk)
+        self.outcomes = Outcomes(max_batch)
         self.acceptance = AcceptanceTable(depth, topk, device)
         self.clock = Clock(device)
         # Under tensor parallelism every rank must decide alike (a level runs the head's collectives;
@@ -149,6 +154,7 @@ class AdaptiveBudget:
         self.agree: Agree = same_everywhere
         self.counters = StepCounters()
         self._under_way: StepTimes | None = None  # the step under way, learnt from at the next start
+        self._steady: tuple[int, bool] | None = None  # (band, arm) of the last step learnt from
         self._plans: dict[int, tuple[int, DraftPlan, float, float]] = {}  # batch -> (plan no., plan, prices)
         self._plans_made = 0
         self._sent: dict[int, float] = {}  # batch -> drafts per request sent
@@ -176,14 +182,23 @@ class AdaptiveBudget:
         """Fixed linear costs (``VLLM_EAGLE2_STEP_COSTS``): nothing is learnt from timings."""
         return self.prices.fixed is not None
 
-    def calibrate(self, time_target: Callable[[int], float], time_level: Callable[[int], float]) -> None:
+    def calibrate(
+        self,
+        time_target: TimeTarget,
+        time_level: Callable[[int], float],
+        long_context: int = 0,
+        level_share: float = 0.0,
+    ) -> None:
         """Time the target and one draft level at engine start (:meth:`Prices.calibrate`)."""
-        self.prices.calibrate(time_target, time_level, self.agree)
+        self.prices.calibrate(time_target, time_level, self.agree, long_context, level_share)
 
     # -- learn ---------------------------------------------------------------------------------
-    def learn(self, tokens: int, prompt_tokens: int = 0, verifies: bool = False) -> StepTimes:
+    def learn(
+        self, tokens: int, prompt_tokens: int = 0, verifies: bool = False, context: float = 0.0
+    ) -> StepTimes:
         """A step starts, over ``tokens`` scheduled tokens, ``prompt_tokens`` of them prompt (prefill
-        chunks), ``verifies``: drafts among them. Learns from the step before, now over, and returns
+        chunks), ``verifies``: drafts among them; its requests hold ``context`` tokens on average.
+        Learns from the step before, now over, and returns
         the new step's record (:class:`StepTimes`), which the step fills as it runs and the next
         call learns from.
 
@@ -192,7 +207,7 @@ class AdaptiveBudget:
         once per step the drafter ran. On CUDA its events have passed by now (vLLM synced on its sampled
         tokens); one that has not resolves at a later start, straight into the prices.
         """
-        times = StepTimes.begin(self.clock, tokens, prompt_tokens, verifies)
+        times = StepTimes.begin(self.clock, tokens, prompt_tokens, verifies, context)
         last, self._under_way = self._under_way, times
         if last is None:
             return times
@@ -201,6 +216,7 @@ class AdaptiveBudget:
         self.acceptance.read_host_copy()
         if not self.fixed:
             self._learn_overheads(last, times.host)
+            self._learn_outcome(last, times.host)
         sent = last.sent
         if sent is not None:
             self._learn_sent(sent)
@@ -225,7 +241,7 @@ class AdaptiveBudget:
             def level(seconds: float, rows: int = rows, teaches: bool = teaches) -> None:
                 step.draft_s += seconds
                 if teaches:
-                    self.prices.observe_level(rows, seconds)
+                    self.prices.observe_level(rows, seconds, step.context)
 
             self.clock.measure(start, end, level)
 
@@ -238,7 +254,7 @@ class AdaptiveBudget:
         def target(seconds: float) -> None:
             step.target_s = seconds
             if not self.fixed and not step.prompt:
-                self.prices.observe_target(step.tokens, seconds, verifies=step.verifies)
+                self.prices.observe_target(step.tokens, seconds, verifies=step.verifies, context=step.context)
 
         self.clock.measure(start, end, target)
 
@@ -264,6 +280,24 @@ class AdaptiveBudget:
             other if teaches else None, step.verifies or step.drafted, now - end, end - step.host
         )
 
+    def _learn_outcome(self, step: StepTimes, now: float) -> None:
+        """Count ``step`` (ended at ``now``) to its arm's measured rate (:class:`Outcomes`): a step
+        whose plan had head drafts (drafting) or that neither planned nor sent any (plain), after a
+        step of the same arm and band. A drafting step's tokens are its requests and the drafts it
+        accepted (it may have verified none: the allocation sent nothing the step before); its
+        seconds run to ``now``, the next start: all that either way of decoding costs."""
+        sent, arm = step.sent, None
+        if sent is not None and sent.counts and not step.prompt:
+            if sent.plan.drafts and not sent.head_skipped:
+                arm = True
+            elif not step.drafted:
+                arm = False
+        batch = len(sent.counts) if arm is not None else 0
+        accepted = self.acceptance.last_accepted if step.verifies else 0.0
+        steady, self._steady = self._steady, (Outcomes.band(batch), arm) if arm is not None else None
+        if arm is not None and steady == self._steady and accepted is not None:
+            self.outcomes.record(batch, arm, batch + accepted, now - step.host)
+
     def _learn_sent(self, sent: Sent) -> None:
         """The drafts per request the allocation sends, by batch size, which the plans size trees for
         (unless the head's levels went unrun)."""
@@ -284,7 +318,8 @@ class AdaptiveBudget:
         """This step's :class:`StepBudget` for ``batch`` requests, its plan narrowed to a draft level
         of at most ``max_rows`` rows (:func:`fit_level_rows`; None: as planned). ``times``: the
         step's record, its target pass done: on CPU the plan prices it (a CUDA event resolves at
-        the next start), as a step's target pass is the freshest news of the machine's speed.
+        the next start), as a step's target pass is the freshest news of the machine's speed; its
+        context prices the next step's (None: priced at no context).
 
         First every rank takes rank 0's learnt costs (``agree``): the plan and the step's later
         decisions then come alike on every rank, from host state that is the same everywhere and
@@ -292,11 +327,22 @@ class AdaptiveBudget:
         """
         if times is not None:
             self._measure_target(times)
-        self.prices.agree(self.agree)
-        costs = self.prices.costs()
+        self._agree()
+        costs = self.prices.costs(0.0 if times is None else times.context)
         plan = self._draft_plan(batch, costs)
+        if plan.drafts and not self.fixed and not self.outcomes.check(batch).draft:
+            plan = NO_DRAFTS
         fitted = plan if max_rows is None else fit_level_rows(plan, batch, max_rows)
         return StepBudget(fitted, fitted is not plan, costs, self.acceptance, self.max_tokens)
+
+    def _agree(self) -> None:
+        """Take rank 0's prices and outcomes (one broadcast); no-op with one rank or fixed costs."""
+        if self.fixed or self.agree is same_everywhere:
+            return
+        prices = self.prices.state()
+        state = self.agree(np.concatenate([prices, self.outcomes.state()]))
+        self.prices.load_state(state[: len(prices)])
+        self.outcomes.load_state(state[len(prices) :])
 
     def _draft_plan(self, batch: int, costs: dict[str, Any]) -> DraftPlan:
         """The draft shape for ``batch`` requests at ``costs``.
@@ -332,10 +378,12 @@ class AdaptiveBudget:
         return plan
 
     def summary(self) -> dict[str, Any]:
-        """Counters since start, the drafts sent per request by batch size, the acceptance of each
-        depth's likeliest child and the prices (:meth:`Prices.summary`)."""
+        """Counters since start, the measured rates and probes (:meth:`Outcomes.summary`), the drafts
+        sent per request by batch size, the acceptance of each depth's likeliest child and the
+        prices (:meth:`Prices.summary`)."""
         return {
             **self.counters.summary(),
+            **self.outcomes.summary(),
             **self.prices.summary(),
             "sent_per_request": {str(b): round(n, 2) for b, n in sorted(self._sent.items())},
             "acceptance_top1": [round(float(x), 3) for x in self.acceptance.model.p[:, 0]],

@@ -7,8 +7,9 @@ by a :class:`Clock` (CUDA events on GPUs, resolved after the step's one host syn
 
 ``VLLM_EAGLE2_STEP_COSTS='{"target": [a, b], "level": [a, b], "overhead": s}'`` replaces the
 measured costs by fixed linear ones (seconds = a + b * tokens): no calibration, no online
-updates; ``"draft_overhead"`` (default: ``overhead``) prices a drafting step's own apart. For tests
-and for what-if runs; the engine never needs it.
+updates; ``"draft_overhead"`` (default: ``overhead``) prices a drafting step's own apart, and
+``"context"`` (default 0) each target row's reads of its request's context, in seconds per token
+of context. For tests and for what-if runs; the engine never needs it.
 """
 
 from __future__ import annotations
@@ -173,13 +174,15 @@ class CostCurve:
 
 
 class ScaledCurve:
-    """A :class:`CostCurve` at the machine's current speed: ``factor * curve(tokens)``."""
+    """A :class:`CostCurve` at the machine's current speed and a context:
+    ``factor * (curve(tokens) + per_row * tokens)`` (``per_row``: the price at speed 1 of one
+    row's reads of its context)."""
 
-    def __init__(self, curve: CostCurve, factor: float) -> None:
-        self.curve, self.factor = curve, factor
+    def __init__(self, curve: CostCurve, factor: float, per_row: float = 0.0) -> None:
+        self.curve, self.factor, self.per_row = curve, factor, per_row
 
     def __call__(self, tokens: np.ndarray | float) -> np.ndarray:
-        return self.factor * self.curve(tokens)
+        return self.factor * (self.curve(tokens) + self.per_row * np.asarray(tokens, dtype=np.float64))
 
 
 #: What the chooser prices passes with: a :class:`CostCurve` or a :class:`ScaledCurve`.
@@ -197,12 +200,13 @@ def fixed_costs() -> dict[str, Any] | None:
             a, b = costs[name]
             costs[name] = (float(a), float(b))
         costs["overhead"] = float(costs.get("overhead", 0.0))
+        costs["context"] = float(costs.get("context", 0.0))
         if costs.get("draft_overhead") is not None:
             costs["draft_overhead"] = float(costs["draft_overhead"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(
             f'{COSTS_ENV} must be JSON like {{"target": [a, b], "level": [a, b], "overhead": s, '
-            f'"draft_overhead": s}} (the last two optional); got {raw!r}'
+            f'"draft_overhead": s, "context": s}} (the last three optional); got {raw!r}'
         ) from exc
     return costs
 

@@ -1,12 +1,20 @@
 """What one engine's budget has learnt from timings: the prices its decisions weigh.
 
 The curves of a target pass (without and with drafts to verify) and of one draft level, the
-machine's speed for each kind of step, and the time a step costs besides its passes. Learnt at
-engine start (:meth:`Prices.calibrate`) and refined by every step; they outlive steps.
+price of the context their rows read, the machine's speed for each kind of step, and the time a
+step costs besides its passes. Learnt at engine start (:meth:`Prices.calibrate`) and refined by
+every step; they outlive steps.
+
+A pass over ``t`` rows whose requests hold ``c`` tokens of context on average costs
+``speed * (curve(t) + context * t * c)``: the curves are the price at no context, and every row
+reads its request's context in each attention layer (a tree row as a causal one). Priced by rows
+alone, a curve learnt on short prompts under-priced the verification of long ones (the tree's rows
+read the whole context), and one learnt late over-priced a fresh request's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,17 +26,24 @@ from vllm_eagle2.budget.costs import (
     ScaledCurve,
     calibrate_curves,
     fixed_costs,
-    same_everywhere,
     set_linear,
 )
 
-__all__ = ["OVERHEAD_RATE", "SPEED_RATE", "Prices"]
+logger = logging.getLogger("vllm.eagle2")
+
+__all__ = ["CONTEXT_TOKENS", "OVERHEAD_RATE", "SPEED_RATE", "Prices"]
 
 #: Per step, the overheads move this far towards the measured one. The time between two steps rises by
 #: at most this share of itself per step: it includes the engine's idle time.
 OVERHEAD_RATE = 0.2
 #: Per target pass, the machine's speed moves this far towards the one the pass measured.
 SPEED_RATE = 0.3
+#: The calibration prices context on passes of this many rows (one per request, as decoding runs).
+CONTEXT_TOKENS = 8
+
+#: Times one target pass over ``tokens`` rows whose requests hold ``context`` tokens each (None:
+#: as few as the rows allow); returns (seconds, the context the pass really read per request).
+TimeTarget = Callable[[int, int | None], tuple[float, float]]
 
 
 class Prices:
@@ -40,6 +55,8 @@ class Prices:
     the drafter's end, without / with drafts (None: not measured yet, ``overhead`` stands in);
     between: from that end to the next step's start (vLLM's own work, shared by both). speed /
     drafting_speed: the machine's, for a step without / with drafts (:meth:`observe_target`).
+    context / level_context: seconds at speed 1 per row and context token of a target pass / of a
+    draft level (the head's layers read the context too).
     ``VLLM_EAGLE2_STEP_COSTS`` replaces the measured costs by fixed linear ones (``fixed``).
     """
 
@@ -52,6 +69,8 @@ class Prices:
         self.between = 0.0
         self.speed = 1.0
         self.drafting_speed = 1.0
+        self.context = 0.0
+        self.level_context = 0.0
         self.fixed = fixed_costs()
         if self.fixed is not None:
             set_linear(self.target, *self.fixed["target"])
@@ -59,21 +78,59 @@ class Prices:
             set_linear(self.level, *self.fixed["level"])
             self.overhead = self.fixed["overhead"]
             self.draft_overhead = self.fixed.get("draft_overhead")
+            self.context = self.fixed["context"]
 
     def calibrate(
-        self, time_target: Callable[[int], float], time_level: Callable[[int], float], agree: Agree
+        self,
+        time_target: TimeTarget,
+        time_level: Callable[[int], float],
+        agree: Agree,
+        long_context: int = 0,
+        level_share: float = 0.0,
     ) -> None:
-        """Time the target and one draft level at 1, 2, 4, ... tokens (:func:`calibrate_curves`);
-        skipped with fixed costs. ``time_target(tokens)`` / ``time_level(rows)`` run one pass."""
-        if self.fixed is None:
-            calibrate_curves(
-                {self.target: time_target, self.level: time_level},
-                also=(self.target, self.verify),
-                agree=agree,
+        """Time the target and one draft level at engine start; skipped with fixed costs.
+
+        First the price of context: ``CONTEXT_TOKENS`` rows at the least context and at
+        ``long_context`` tokens (0: not priced), the best of three each; a draft level is priced
+        ``level_share`` of it (its layers over the target's). Then the curves at 1, 2, 4, ...
+        rows (:func:`calibrate_curves`), at the least context and less its price: every pass runs
+        attention, as a step's passes do (without it, every price lacked it, and the first
+        widths a step happened to run rescaled the rest by luck). ``time_level(rows)`` runs one
+        draft level."""
+        if self.fixed is not None:
+            return
+        if long_context > 0:
+            seconds = []
+            for context in (None, long_context):
+                runs = [time_target(CONTEXT_TOKENS, context) for _ in range(3)]
+                best, read = min(runs)
+                seconds.append((float(agree(np.array([best]))[0]), read))
+            (short, short_read), (long, long_read) = seconds
+            if long_read > short_read:
+                self.context = max(long - short, 0.0) / (CONTEXT_TOKENS * (long_read - short_read))
+            self.level_context = self.context * level_share
+            logger.info(
+                "eagle2 adaptive budget: %d rows at %d / %d tokens of context: %.2f / %.2f ms",
+                CONTEXT_TOKENS,
+                short_read,
+                long_read,
+                1e3 * short,
+                1e3 * long,
             )
 
-    def observe_target(self, tokens: int, seconds: float, *, verifies: bool) -> None:
-        """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts).
+        def at_no_context(tokens: int) -> float:
+            seconds, read = time_target(tokens, None)
+            return max(seconds - self.context * tokens * read, 0.5 * seconds)
+
+        calibrate_curves(
+            {self.target: at_no_context, self.level: time_level},
+            also=(self.target, self.verify),
+            agree=agree,
+        )
+
+    def observe_target(self, tokens: int, seconds: float, *, verifies: bool, context: float = 0.0) -> None:
+        """A target pass over ``tokens`` took ``seconds`` (``verifies``: it verified drafts; its
+        requests held ``context`` tokens each on average, which the curve is priced without).
 
         The pass's error moves a speed by ``SPEED_RATE`` (the ratio clipped to [0.5, 2]), the rest
         of it the curve of that kind of pass (:meth:`CostCurve.observe`). A shared machine speeds
@@ -85,18 +142,23 @@ class Prices:
         """
         curve = self.verify if verifies else self.target
         speed = self.drafting_speed if verifies else self.speed
-        predicted = speed * float(curve(tokens))
+        read = self.context * tokens * context
+        predicted = speed * (float(curve(tokens)) + read)
         if predicted > 0:
             ratio = min(max(seconds / predicted, 0.5), 2.0)
             change = 1.0 + SPEED_RATE * (ratio - 1.0)
             self.drafting_speed *= change
             if not verifies:
                 self.speed *= change
-        curve.observe(tokens, seconds / (self.drafting_speed if verifies else self.speed))
+        at_speed = seconds / (self.drafting_speed if verifies else self.speed)
+        curve.observe(tokens, max(at_speed - read, 0.5 * at_speed))
 
-    def observe_level(self, rows: int, seconds: float) -> None:
-        """A draft level over ``rows`` rows took ``seconds``."""
-        self.level.observe(rows, seconds / self.drafting_speed)
+    def observe_level(self, rows: int, seconds: float, context: float = 0.0) -> None:
+        """A draft level over ``rows`` rows, of requests holding ``context`` tokens each on
+        average, took ``seconds``."""
+        at_speed = seconds / self.drafting_speed
+        read = self.level_context * rows * context
+        self.level.observe(rows, max(at_speed - read, 0.5 * at_speed))
 
     def observe_overheads(self, other: float | None, drafting: bool, gap: float, step: float) -> None:
         """Learn a step's ``other`` seconds besides its passes (None: a step that teaches none) and
@@ -113,44 +175,55 @@ class Prices:
         gap /= self.speed
         self.between += OVERHEAD_RATE * min(gap - self.between, self.between or step)
 
-    def costs(self) -> dict[str, Any]:
+    def costs(self, context: float = 0.0) -> dict[str, Any]:
         """The cost model as :func:`~vllm_eagle2.budget.decisions.plan_draft` and ``step_cost`` take
-        it, on the live curves: the budget learns only as a step starts, so they hold for a step."""
+        it, for requests holding ``context`` tokens each on average, on the live curves: the budget
+        learns only as a step starts, so they hold for a step."""
         speed, drafting = self.speed, self.drafting_speed
+        row, level_row = self.context * context, self.level_context * context
         target, verify, level = self.target, self.verify, self.level
         if self.draft_overhead is None:
             draft_overhead = speed * self.overhead
         else:
             draft_overhead = drafting * self.draft_overhead
+        plain = ScaledCurve(target, speed, row)
         return {
-            "target": ScaledCurve(target, speed),
-            "verify": ScaledCurve(verify, drafting) if verify.observed else ScaledCurve(target, speed),
-            "level": ScaledCurve(level, drafting),
+            "target": plain,
+            "verify": ScaledCurve(verify, drafting, row) if verify.observed else plain,
+            "level": ScaledCurve(level, drafting, level_row),
             "overhead": speed * (self.overhead + self.between),
             "draft_overhead": draft_overhead + speed * self.between,
         }
 
-    def agree(self, agree: Agree) -> None:
-        """Take rank 0's prices (``agree``), so that every rank decides alike; no-op with one rank
-        or fixed costs."""
-        if self.fixed is None and agree is not same_everywhere:
-            self.load_state(agree(self.state()))
-
     def state(self) -> np.ndarray:
         """Everything learnt from timings, as one float64 vector (NaN = unset)."""
         draft_overhead = np.nan if self.draft_overhead is None else self.draft_overhead
-        scalars = [self.speed, self.drafting_speed, self.overhead, draft_overhead, self.between]
+        scalars = [
+            self.speed,
+            self.drafting_speed,
+            self.overhead,
+            draft_overhead,
+            self.between,
+            self.context,
+            self.level_context,
+        ]
         curves = [curve.state() for curve in (self.target, self.verify, self.level)]
         return np.concatenate([np.array(scalars, dtype=np.float64), *curves])
 
     def load_state(self, state: np.ndarray) -> None:
         """Take another engine's :meth:`state` (the same settings)."""
-        self.speed, self.drafting_speed, self.overhead, draft_overhead, self.between = (
-            float(x) for x in state[:5]
-        )
+        (
+            self.speed,
+            self.drafting_speed,
+            self.overhead,
+            draft_overhead,
+            self.between,
+            self.context,
+            self.level_context,
+        ) = (float(x) for x in state[:7])
         self.draft_overhead = None if np.isnan(draft_overhead) else draft_overhead
         curves = (self.target, self.verify, self.level)
-        parts = np.split(state[5:], np.cumsum([3 * len(curve.knots) for curve in curves])[:-1])
+        parts = np.split(state[7:], np.cumsum([3 * len(curve.knots) for curve in curves])[:-1])
         for curve, part in zip(curves, parts):
             curve.load_state(part)
 
@@ -171,5 +244,7 @@ class Prices:
             "between_steps_ms": self.speed * self.between * 1e3,
             "speed": round(self.speed, 3),
             "drafting_speed": round(self.drafting_speed, 3),
+            # a target row's attention over 1,000 tokens of context, at the machine's speed
+            "context_ms_per_row_1k": round(self.speed * self.context * 1e6, 4),
             "prices_ms": prices,
         }

@@ -35,7 +35,8 @@ class StepTimes:
 
     clock: the budget's (host seconds on CPU, CUDA events); host: the step's start
     (``time.perf_counter``); tokens / prompt: its scheduled tokens, and whether prompt chunks are
-    among them; verifies: it verifies drafts (the scheduler sent some).
+    among them; verifies: it verifies drafts (the scheduler sent some); context: the tokens its
+    requests hold on average, this step's included (what each of its rows reads).
     target: the (start, end) marks of its target pass, sampling and verification, from the drafter's
     start until the budget measures them. levels: the draft levels' (start mark, rows), the root
     level first (its catch-up pass included), closed by a (mark, 0) once drafting is done. sent:
@@ -49,6 +50,7 @@ class StepTimes:
     tokens: int
     prompt: bool
     verifies: bool
+    context: float = 0.0
     target: tuple[Mark, Mark] | None = None
     levels: list[tuple[Mark, int]] = field(default_factory=list)
     sent: Sent | None = None
@@ -57,10 +59,13 @@ class StepTimes:
     draft_s: float = 0.0
 
     @classmethod
-    def begin(cls, clock: Clock, tokens: int, prompt_tokens: int = 0, verifies: bool = False) -> StepTimes:
+    def begin(
+        cls, clock: Clock, tokens: int, prompt_tokens: int = 0, verifies: bool = False, context: float = 0.0
+    ) -> StepTimes:
         """A step over ``tokens`` scheduled tokens starts, ``prompt_tokens`` of them prompt
-        (prefill chunks), the rest one per decoding request and its drafts."""
-        return cls(clock, time.perf_counter(), clock.mark(), tokens, prompt_tokens > 0, verifies)
+        (prefill chunks), the rest one per decoding request and its drafts; its requests hold
+        ``context`` tokens on average."""
+        return cls(clock, time.perf_counter(), clock.mark(), tokens, prompt_tokens > 0, verifies, context)
 
     def target_done(self) -> None:
         """The target pass, sampling and verification are done: the drafter starts."""

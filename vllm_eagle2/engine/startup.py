@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.eagle2")
 
+#: The long context the calibration prices attention at (or the engine's max_model_len, if shorter).
+LONG_CONTEXT = 2048
+
 
 def kernel_limits(proposer: Eagle2Proposer) -> StepLimits:
     """What bounds this engine's kernel shapes (kernels/warmup.py). The logits' widths and dtypes
@@ -63,7 +66,8 @@ def warm_up(proposer: Eagle2Proposer) -> int:
 
 
 def calibrate_budget(proposer: Eagle2Proposer, runner: GPUModelRunner) -> None:
-    """Time the target and one draft level for the adaptive budget (at engine start)."""
+    """Time the target (with attention, at the least context and at a long one) and one draft
+    level for the adaptive budget (at engine start)."""
     if proposer.budget is None:
         return
     limit = runner.scheduler_config.max_num_batched_tokens
@@ -76,9 +80,18 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: GPUModelRunner) -> None:
         sync()
         return time.perf_counter() - start
 
-    def time_target(tokens: int) -> float:
+    def time_target(tokens: int, context: int | None) -> tuple[float, float]:
+        tokens = min(tokens, limit)
+        # vLLM's dummy batch: min(tokens, max_num_seqs) requests sharing the tokens, each of
+        # seq_len ``read`` (its K/V slots unwritten; the reads are what is timed).
+        query = -(-tokens // min(tokens, runner.max_num_reqs))
+        read = max(query, context or 0)
+
+        def run() -> None:
+            runner._dummy_run(tokens, skip_eplb=True, force_attention=True, profile_seq_lens=read)
+
         with proposer.target_alone():
-            return timed(lambda: runner._dummy_run(min(tokens, limit), skip_eplb=True))
+            return timed(run), float(read)
 
     def time_level(rows: int) -> float:
         rows = min(rows, limit)
@@ -96,7 +109,11 @@ def calibrate_budget(proposer: Eagle2Proposer, runner: GPUModelRunner) -> None:
         finally:
             proposer.num_speculative_tokens = saved
 
-    proposer.budget.calibrate(time_target, time_level)
+    target_layers = runner.model_config.get_num_layers(runner.parallel_config)
+    head_config = proposer.vllm_config.speculative_config.draft_model_config.hf_config
+    head_layers = getattr(head_config, "num_hidden_layers", 1) or 1
+    long_context = min(LONG_CONTEXT, runner.max_model_len - 1)
+    proposer.budget.calibrate(time_target, time_level, long_context, head_layers / max(target_layers, 1))
 
 
 def verification_peak(runner: GPUModelRunner) -> tuple[int, int, int]:

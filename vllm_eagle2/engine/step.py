@@ -40,14 +40,18 @@ def begin(runner: GPUModelRunner) -> Iterator[Eagle2Step]:
 def started(runner: GPUModelRunner, step: Eagle2Step, scheduler_output: SchedulerOutput) -> None:
     """2. ``_prepare_inputs``, before vLLM's: the budget learns from the step before, and this step's
     record opens (``step.times``: its scheduled tokens, prompt chunks apart, as their pass is not
-    the decoding pass the plans price; whether it verifies drafts), which the step fills as it runs
-    (:meth:`~vllm_eagle2.budget.adaptive.AdaptiveBudget.learn`)."""
+    the decoding pass the plans price; whether it verifies drafts; the context its rows read),
+    which the step fills as it runs (:meth:`~vllm_eagle2.budget.adaptive.AdaptiveBudget.learn`)."""
     budget = runner.drafter.budget
     if budget is not None:
         total = scheduler_output.total_num_scheduled_tokens
+        requests = len(scheduler_output.num_scheduled_tokens)
         drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-        prompt = total - len(scheduler_output.num_scheduled_tokens) - drafts
-        step.times = budget.learn(total, prompt, verifies=drafts > 0)
+        prompt = total - requests - drafts
+        # What each row reads: the context its request held before the step, and the step's.
+        held = runner.input_batch.num_computed_tokens_cpu[:requests]
+        context = float(held.mean()) + total / requests if requests else 0.0
+        step.times = budget.learn(total, prompt, verifies=drafts > 0, context=context)
 
 
 def prepare(runner: GPUModelRunner, step: Eagle2Step, spec_meta: SpecDecodeMetadata | None) -> None:
