@@ -152,6 +152,23 @@ def test_calibration_prices_the_context_a_pass_reads(monkeypatch):
     assert costs["target"](16) == pytest.approx(0.020 + 0.0005 * 16 + 2e-6 * 16 * 1000, rel=0.02)
 
 
+def test_calibration_times_the_target_up_to_the_widest_decoding_step(monkeypatch):
+    """16 requests with 12 drafts each verify 208 rows at most: no pass past the 256 knot runs,
+    however large the step's token budget (prefill chunks, which no plan prices)."""
+    fake_clock(monkeypatch)
+    machine = Machine()
+    timed: list[int] = []
+    budget = AdaptiveBudget(
+        depth=4, topk=3, max_nodes=12, chain=False, max_batch=16, max_tokens=8192, device=torch.device("cpu")
+    )
+    budget.calibrate(
+        lambda tokens, context: (timed.append(tokens) or machine.target(tokens, 1.0), 1.0),
+        lambda rows: machine.level(rows, 1.0),
+        long_context=2048,
+    )
+    assert max(timed) == 256
+
+
 def test_a_long_context_makes_the_same_batch_draft_less(monkeypatch):
     now = fake_clock(monkeypatch)
     machine = Machine(context=4e-6)

@@ -145,6 +145,7 @@ class AdaptiveBudget:
     ) -> None:
         self.depth, self.topk, self.max_nodes, self.chain = depth, topk, max_nodes, chain
         self.max_tokens = max_tokens  # a step's token budget (vLLM's max_num_batched_tokens)
+        self.max_batch = max_batch
         self.prices = Prices(max_tokens, max_batch * topk)
         self.outcomes = Outcomes(max_batch)
         self.acceptance = AcceptanceTable(depth, topk, device)
@@ -189,8 +190,10 @@ class AdaptiveBudget:
         long_context: int = 0,
         level_share: float = 0.0,
     ) -> None:
-        """Time the target and one draft level at engine start (:meth:`Prices.calibrate`)."""
-        self.prices.calibrate(time_target, time_level, self.agree, long_context, level_share)
+        """Time the target and one draft level at engine start (:meth:`Prices.calibrate`), the
+        target up to the widest decoding step: every request with all its drafts."""
+        widest = min(self.max_tokens, self.max_batch * (1 + self.max_nodes))
+        self.prices.calibrate(time_target, time_level, self.agree, long_context, level_share, widest)
 
     # -- learn ---------------------------------------------------------------------------------
     def learn(

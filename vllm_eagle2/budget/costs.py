@@ -266,10 +266,13 @@ def calibrate_curves(
     runs: dict[CostCurve, Callable[[int], float]],
     also: Iterable[CostCurve] = (),
     agree: Agree = same_everywhere,
+    widest: dict[CostCurve, int] | None = None,
 ) -> None:
     """Time each curve's pass at 1, 2, 4, ... tokens, the best of two, until a pass takes longer
-    than ``CALIBRATION_PASS_S`` past ``CALIBRATION_MIN_TOKENS``; ``runs[curve](tokens)`` runs one
-    pass and returns its seconds. ``also``: (source, copy) curves, the copy set as the source is.
+    than ``CALIBRATION_PASS_S`` past ``CALIBRATION_MIN_TOKENS``, or the knot reaches the curve's
+    ``widest`` (the most tokens a pass the plans price can hold: past it only prefill chunks run,
+    which no plan prices); ``runs[curve](tokens)`` runs one pass and returns its seconds.
+    ``also``: (source, copy) curves, the copy set as the source is.
 
     Each knot's seconds go through ``agree``: under tensor parallelism every rank then sets the same
     knots and stops after the same pass. A pass runs the model's collectives, so ranks that timed
@@ -285,6 +288,8 @@ def calibrate_curves(
             if curve is source:
                 copy.set(int(knot), seconds)
             if seconds > CALIBRATION_PASS_S and knot >= CALIBRATION_MIN_TOKENS:
+                break
+            if widest is not None and knot >= widest.get(curve, knot + 1):
                 break
     shown = "; ".join(_describe(curve) for curve in runs)
     logger.info("eagle2 adaptive budget: calibrated in %.1f s; %s", time.perf_counter() - start, shown)

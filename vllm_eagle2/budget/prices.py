@@ -87,6 +87,7 @@ class Prices:
         agree: Agree,
         long_context: int = 0,
         level_share: float = 0.0,
+        widest: int | None = None,
     ) -> None:
         """Time the target and one draft level at engine start; skipped with fixed costs.
 
@@ -95,8 +96,9 @@ class Prices:
         ``level_share`` of it (its layers over the target's). Then the curves at 1, 2, 4, ...
         rows (:func:`calibrate_curves`), at the least context and less its price: every pass runs
         attention, as a step's passes do (without it, every price lacked it, and the first
-        widths a step happened to run rescaled the rest by luck). ``time_level(rows)`` runs one
-        draft level."""
+        widths a step happened to run rescaled the rest by luck); the target's up to ``widest``
+        rows (a decoding step's most: every request with all its drafts; None: the curve's
+        last knot). ``time_level(rows)`` runs one draft level."""
         if self.fixed is not None:
             return
         if long_context > 0:
@@ -126,6 +128,7 @@ class Prices:
             {self.target: at_no_context, self.level: time_level},
             also=(self.target, self.verify),
             agree=agree,
+            widest=None if widest is None else {self.target: widest},
         )
 
     def observe_target(self, tokens: int, seconds: float, *, verifies: bool, context: float = 0.0) -> None:
