@@ -173,10 +173,10 @@ def test_greedy_rows_of_a_batch_mixed_with_seeded_sampling_equal_no_speculation(
     assert_trees_exercised(before, stats(engines, budget))
 
 
-def test_seeded_sampling_is_reproducible_run_to_run_with_the_fixed_budget(engines):
-    """The fixed budget only: under the adaptive one a seeded request's trees follow what the budget
-    learnt from earlier requests, and its draws follow its trees (docs/budget.md, "Limits")."""
-    budget = "fixed"
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_seeded_sampling_is_reproducible_run_to_run(engines, budget):
+    """Under the adaptive budget too, whose trees follow what it learnt from earlier requests: a
+    seeded request's token k is drawn from (seed, k) alone (vllm_eagle2/verify/seeded.py)."""
     prompts = [prompt(10, 1), prompt(10, 3)]
     before = stats(engines, budget)
     first = engines[budget].generate(prompts, SEEDED, use_tqdm=False)
@@ -199,15 +199,15 @@ def test_requests_with_penalties_are_decoded_exactly_without_drafts(engines, bud
     assert ids(plain) != ids(unpenalised)  # and the penalties changed what was sampled
 
 
-def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines):
-    # The fixed budget only: under the adaptive one, seeded draws change run to run (see above).
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_n_greater_than_one_with_seeded_sampling_is_reproducible(engines, budget):
     params = seeded(n=3, temperature=1.0, seed=11, max_tokens=16)
-    before = stats(engines, "fixed")
-    first = engines["fixed"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
-    again = engines["fixed"].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    before = stats(engines, budget)
+    first = engines[budget].generate([prompt(9, 8)], params, use_tqdm=False)[0]
+    again = engines[budget].generate([prompt(9, 8)], params, use_tqdm=False)[0]
     assert len(first.outputs) == 3
     assert [list(c.token_ids) for c in first.outputs] == [list(c.token_ids) for c in again.outputs]
-    assert_trees_exercised(before, stats(engines, "fixed"))
+    assert_trees_exercised(before, stats(engines, budget))
 
 
 def test_model_defaults_that_turn_drafts_off_are_named():

@@ -175,15 +175,13 @@ def placed_lookup_nodes(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
 
 def loop_samples(target: Path, spec: dict | None, prompt: list[dict]) -> tuple[np.ndarray, dict]:
-    """NUM_SAMPLES seeded samples of 4 tokens at temperature 1, and the engine's metrics, with
-    "lookup_nodes" (:func:`placed_lookup_nodes`); with ``spec``, drafts accepted at each draft
-    position that decides a sampled position (1 to 3), lookup drafts among them."""
+    """NUM_SAMPLES unseeded samples of 4 tokens at temperature 1 (the rejection-sampling path, which
+    the biased verifier sharpens), and the engine's metrics, with "lookup_nodes"
+    (:func:`placed_lookup_nodes`); with ``spec``, drafts accepted at each draft position that
+    decides a sampled position (1 to 3), lookup drafts among them."""
     from vllm import SamplingParams
 
-    params = [
-        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1000 + i)
-        for i in range(NUM_SAMPLES)
-    ]
+    params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True) for _ in range(NUM_SAMPLES)]
     with pytest.MonkeyPatch.context() as mp:
         placed = placed_lookup_nodes(mp)
         outputs, metrics = run_llm(target, spec, prompt * NUM_SAMPLES, params, max_num_seqs=32)

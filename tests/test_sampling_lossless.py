@@ -1,11 +1,15 @@
 """eagle2 sampling inside vLLM is lossless: same token distribution as without speculation.
 
-Many seeded samples of a short continuation of one prompt, at temperature 1, from the
-engine without speculation and from eagle2 with a partly-right head. For every output
-position that speculation decides (2 and later; position 1 comes from the prefill), the two
-samples' token counts are compared with a chi-square test of homogeneity. A deliberately
-biased verifier (the right algorithm run on a wrongly tempered target distribution) must
-fail the same test, so the test can fail.
+Many samples of a short continuation of one prompt, at temperature 1, from the engine without
+speculation and from eagle2 with a partly-right head. For every output position that
+speculation decides (2 and later; position 1 comes from the prefill), the two samples' token
+counts are compared with a chi-square test of homogeneity. A deliberately biased verifier (the
+right algorithm run on a wrongly tempered target distribution) must fail the same test, so the
+test can fail.
+
+Unseeded requests take the recursive rejection sampling; seeded ones (``seed=``) the sample-match
+path, where vLLM's sampler draws every tree row with noise of its output position
+(:mod:`vllm_eagle2.verify.seeded`): lossless too, and the same tokens whatever the drafts.
 
 vLLM's built-in ``eagle`` with the same head passes the same test too, with the plugin installed:
 on vLLM 0.32's CPU build its rejection sampler divided the target's logits by uninitialised memory
@@ -37,24 +41,40 @@ SPEC = dict(num_speculative_tokens=12, depth=4, topk=3)
 STEP_COSTS = '{"target": [0.02, 0.00001], "level": [0.0002, 0.00001], "overhead": 0.001}'
 
 
-def sampling_params():
+def sampling_params(seeded: bool = False):
+    """NUM_SAMPLES requests at temperature 1; ``seeded``: request i seeded 1000 + i."""
     from vllm import SamplingParams
 
     return [
-        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1000 + i)
+        SamplingParams(
+            temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1000 + i if seeded else None
+        )
         for i in range(NUM_SAMPLES)
     ]
 
 
-def sample(target, spec, fresh_process: bool = False, positions: int = MAX_TOKENS - 1) -> np.ndarray:
-    """NUM_SAMPLES seeded samples of MAX_TOKENS tokens; with ``spec``, asserts what the engine
-    exercised (:func:`assert_speculation_decided`, drafts accepted 1 to ``positions`` deep)."""
+def sample_with_metrics(
+    target, spec, fresh_process: bool = False, positions: int = MAX_TOKENS - 1, seeded: bool = False
+) -> tuple[np.ndarray, dict]:
+    """NUM_SAMPLES samples of MAX_TOKENS tokens, and the engine's metrics; with ``spec``, asserts
+    what the engine exercised (:func:`assert_speculation_decided`, drafts accepted 1 to
+    ``positions`` deep)."""
     outputs, metrics = run_llm(
-        target, spec, [PROMPT] * NUM_SAMPLES, sampling_params(), max_num_seqs=32, fresh_process=fresh_process
+        target,
+        spec,
+        [PROMPT] * NUM_SAMPLES,
+        sampling_params(seeded),
+        max_num_seqs=32,
+        fresh_process=fresh_process,
     )
     if spec is not None:
         assert_speculation_decided(metrics, spec, positions)
-    return np.array([list(o.outputs[0].token_ids) for o in outputs])
+    return np.array([list(o.outputs[0].token_ids) for o in outputs]), metrics
+
+
+def sample(target, spec, fresh_process: bool = False, positions: int = MAX_TOKENS - 1) -> np.ndarray:
+    """NUM_SAMPLES unseeded samples (:func:`sample_with_metrics`)."""
+    return sample_with_metrics(target, spec, fresh_process, positions)[0]
 
 
 def assert_speculation_decided(metrics: dict, spec: dict, positions: int) -> None:
@@ -155,7 +175,7 @@ def sample_filtered(target, spec) -> tuple[list[np.ndarray], dict]:
     from vllm import SamplingParams
 
     prompts = TWO_PROMPTS * PER_PROMPT
-    params = [SamplingParams(**FILTERED, seed=5000 + i) for i in range(len(prompts))]
+    params = [SamplingParams(**FILTERED) for _ in prompts]  # unseeded: the rejection-sampling path
     outputs, metrics = run_llm(target, spec, prompts, params, max_num_seqs=32, compiled=True)
     if spec is not None:  # output positions 2 to 6, trees 4 deep
         assert_speculation_decided(metrics, spec, min(FILTERED["max_tokens"] - 1, SPEC["depth"]))
@@ -210,5 +230,57 @@ def test_a_biased_verifier_fails_the_same_test(pair, reference, monkeypatch):
     _sharpen_the_verifier(monkeypatch)
     target, head = pair
     biased = sample(target, {"method": "eagle2", "model": str(head), **SPEC, "budget": "fixed"})
+    pvalues = [homogeneity_pvalue(reference[:, j], biased[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) < 1e-4, pvalues
+
+
+# --- seeded requests: sample-match, the same tokens whatever the drafts ---------------------------
+ADAPTIVE = {**SPEC, "budget": "adaptive"}
+
+
+@pytest.fixture(scope="module")
+def seeded_adaptive(pair) -> tuple[np.ndarray, dict]:
+    """Seeded samples from eagle2 under the adaptive budget on STEP_COSTS, and the metrics."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(COSTS_ENV, STEP_COSTS)
+        spec = {"method": "eagle2", "model": str(pair[1]), **ADAPTIVE}
+        return sample_with_metrics(pair[0], spec, seeded=True)
+
+
+def test_seeded_sampled_tokens_follow_the_target_distribution(reference, seeded_adaptive):
+    spec_samples, metrics = seeded_adaptive
+    assert metrics["eagle2_budget"] is not None  # the adaptive budget drafted (and drafts decided)
+    pvalues = [homogeneity_pvalue(reference[:, j], spec_samples[:, j]) for j in range(1, MAX_TOKENS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_seeded_requests_sample_the_same_tokens_whatever_their_drafts(pair, seeded_adaptive):
+    # The fixed budget sends every request its whole tree each step, the adaptive one 1 to 12 nodes.
+    adaptive, adaptive_metrics = seeded_adaptive
+    spec = {"method": "eagle2", "model": str(pair[1]), **SPEC, "budget": "fixed"}
+    fixed, fixed_metrics = sample_with_metrics(pair[0], spec, seeded=True)
+    drafts = [m["vllm:spec_decode_num_draft_tokens"] for m in (adaptive_metrics, fixed_metrics)]
+    assert drafts[0] != drafts[1], drafts  # the drafts sent differed
+    for metrics in (adaptive_metrics, fixed_metrics):
+        assert_trees_exercised(metrics)  # and were accepted, off-chain nodes too
+    assert np.array_equal(adaptive, fixed)
+
+
+def test_a_biased_seeded_path_fails_the_same_test(pair, reference, monkeypatch):
+    """The node rows of seeded trees sampled at a sharpened temperature (the root keeps vLLM's own
+    sample) must fail the seeded distribution test. Only the tokens that accepted nodes decide are
+    biased: at T * 0.6 (the other biased tests' factor) the smallest p-value was 5e-4, at T * 0.4
+    6e-10."""
+    from vllm_eagle2.engine import seeding
+
+    exact = seeding.node_choices
+
+    def sharpened(logits, seeded, root, temperature, *args):
+        return exact(logits, seeded, root, temperature * 0.4, *args)
+
+    monkeypatch.setattr(seeding, "node_choices", sharpened)
+    monkeypatch.setenv(COSTS_ENV, STEP_COSTS)
+    spec = {"method": "eagle2", "model": str(pair[1]), **ADAPTIVE}
+    biased, _ = sample_with_metrics(pair[0], spec, seeded=True)
     pvalues = [homogeneity_pvalue(reference[:, j], biased[:, j]) for j in range(1, MAX_TOKENS)]
     assert min(pvalues) < 1e-4, pvalues

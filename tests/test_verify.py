@@ -368,6 +368,85 @@ def test_seeded_rows_draw_a_fixed_count_per_call(probs):
     assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=twin))
 
 
+# ---------------------------------------------------------------------------------------
+# Sample-match (seeded requests in an engine): the target's sample at every row is given, and
+# the drafts are matched against it as greedy matches them against the argmax.
+
+
+def planted_choices(tokens, parents, vocab, rng, hit_rate=0.7):
+    """The target's choice at the root and after every node: some child's token ``hit_rate`` of
+    the time, else any token."""
+    choices = []
+    for node in [-1] + list(range(len(tokens))):
+        kids = children_of(parents, node)
+        hit = kids and rng.random() < hit_rate
+        choices.append(tokens[rng.choice(kids)] if hit else rng.randrange(vocab))
+    return choices
+
+
+def test_sample_match_accepts_the_nodes_that_carry_the_choice_at_their_parent():
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    batch, n, vocab = 48, 20, 12
+    trees = [random_tree(n, vocab, rng) for _ in range(batch)]
+    tokens = torch.tensor([t for t, _ in trees])
+    parents = torch.tensor([p for _, p in trees])
+    choices = torch.tensor([planted_choices(t, p, vocab, rng) for t, p in trees])
+    logits = torch.randn(batch, n + 1, vocab, generator=gen)  # the choices decide, not these
+    result = verify_tree(tokens, parents, logits, temperature=torch.ones(batch), choices=choices)
+    depths = []
+    for b, (tok, par) in enumerate(trees):
+        # The greedy walk on a target whose argmax at every row is the given choice.
+        path, out = greedy_reference(tok, par, torch.nn.functional.one_hot(choices[b], vocab))
+        k = len(path)
+        depths.append(k)
+        assert result.accepted_nodes[b, :k].tolist() == path and int(result.num_accepted[b]) == k
+        assert result.output_tokens[b, : k + 1].tolist() == out  # ends with the choice at the leaf
+        assert (result.output_tokens[b, k + 1 :] == -1).all()
+    assert max(depths) >= 3 and min(depths) == 0  # deep and empty paths were exercised
+
+
+def test_rows_without_choices_verify_as_without_them(probs):
+    tokens = torch.tensor([TREE_TOKENS] * 4)
+    parents = torch.tensor([TREE_PARENTS] * 4)
+    logits = probs.log().expand(4, -1, -1)
+    temperature = torch.tensor([1.0, 1.0, 0.0, 0.7])
+    choices = torch.full((4, len(TREE_TOKENS) + 1), -1)
+    choices[0] = torch.tensor([0, 1, 0, 3, 4, 1, 2, 3])  # root -> node 0 -> node 3 -> node 6
+    torch.manual_seed(8)
+    given = verify_tree(tokens, parents, logits, temperature=temperature, choices=choices)
+    torch.manual_seed(8)
+    plain = verify_tree(tokens, parents, logits, temperature=temperature)
+    assert given.output_tokens[0].tolist() == [0, 1, 4, 3, -1, -1, -1, -1]
+    assert torch.equal(given.output_tokens[1:], plain.output_tokens[1:])
+    assert torch.equal(given.accepted_nodes[1:], plain.accepted_nodes[1:])
+    assert (plain.num_accepted[1:] > 0).any()  # the rows compared accepted drafts
+
+
+def test_node_choices_sample_each_node_row_with_a_generator_of_its_output_position():
+    from vllm_eagle2.verify.seeded import SeededRows, node_choices, position_generator
+
+    seen = []
+
+    def first_draw(rows, temperature, generators, top_k, top_p):  # a sampler that shows its noise
+        seen.append((rows.clone(), temperature, top_k, top_p))
+        return torch.cat([torch.randint(0, 1000, (1,), generator=generators[i]) for i in range(len(rows))])
+
+    logits = torch.randn(3, 5, 8)
+    temperature, top_k = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([4, 5, 6])
+    # Row 2: nodes 1, 1 and 2 deep (the first two siblings), its root at output position 7.
+    seeded = SeededRows(rows=[2], seeds=[123], positions=[7], depths=[[1, 1, 2]])
+    choices = node_choices(logits, seeded, torch.tensor([9, 9, 42]), temperature, top_k, None, first_draw)
+
+    def expected(position):
+        return int(torch.randint(0, 1000, (1,), generator=position_generator(123, position, "cpu")))
+
+    assert choices[2].tolist() == [42, expected(8), expected(8), expected(9), -1]
+    assert (choices[:2] == -1).all()  # rows not seeded have no choices
+    rows, temps, ks, ps = seen[0]
+    assert torch.equal(rows, logits[2, 1:4]) and temps.tolist() == [2.0] * 3 and ks.tolist() == [6] * 3
+    assert ps is None
+
+
 @pytest.mark.parametrize("vocab", [7, 512, 513, 1000, 1024])
 def test_cpu_block_argmax_is_argmax(vocab):
     gen = torch.Generator().manual_seed(vocab)
@@ -551,6 +630,8 @@ def _run_all(tokens, parents, logits, seeded: bool):
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0][:batch], device=tokens.device)
     verify_tree(tokens, parents, logits)
     verify_tree(tokens, parents, logits, temperature=temperature, generators=gens)
+    choices = torch.where(torch.arange(batch, device=tokens.device).unsqueeze(1) == 1, -1, logits.argmax(-1))
+    verify_tree(tokens, parents, logits, temperature=temperature, choices=choices)
     if tokens.device.type != "cpu":  # on CPU top-k/top-p compacts the rows it sorts, on purpose
         k = torch.full((batch,), 5, device=tokens.device)
         verify_tree(tokens, parents, logits, temperature=temperature, top_k=k, top_p=k / 10, generators=gens)

@@ -38,9 +38,10 @@ def send_drafts(
             tree.scores[:, :n_out], tree.depths[:, :n_out], allowed, grafted[:, :n_out], choice.head_skipped
         )
     sent = torch.arange(n_out, device=counts.device) < counts.unsqueeze(1)
-    off_chain = off_leading_chain(tree.depths[:, :n_out]) & sent
+    depths = torch.where(sent, tree.depths[:, :n_out], 0)
+    off_chain = off_leading_chain(depths)
     # vLLM wants host lists: one transfer brings the drafts, their counts and their shape.
-    host = torch.cat([tokens[:, :n_out], counts.unsqueeze(1), off_chain.long()], dim=1).cpu().numpy()
+    host = torch.cat([tokens[:, :n_out], counts.unsqueeze(1), off_chain.long(), depths], dim=1).cpu().numpy()
     proposed = ProposedTrees(
         req_ids=req_ids,
         tokens=tokens,
@@ -49,7 +50,9 @@ def send_drafts(
         scores=tree.scores,
         grafted=grafted,
         lookup_buckets=choice.buckets,
-        off_chain=host[:, n_out + 1 :].astype(bool),
+        off_chain=host[:, n_out + 1 : 2 * n_out + 1].astype(bool),
+        sent_tokens=host[:, :n_out],
+        sent_depths=host[:, 2 * n_out + 1 :],
     )
     drafts = [row[:count] for row, count in zip(host[:, :n_out].tolist(), host[:, n_out].tolist())]
     return drafts, proposed

@@ -80,6 +80,9 @@ class ProposedTrees:
         leading chain (:func:`vllm_eagle2.tree.off_leading_chain`), the only ones whose
         verification needs a tree mask. It came with the drafts' own transfer, so the verifier
         sizes its tree attention without reading the device.
+    sent_tokens / sent_depths: [B, M] int64 on the host, the drafts sent and their depths (0 past
+        a request's drafts), from the same transfer: the seeds of a seeded request's node rows
+        (:mod:`vllm_eagle2.engine.seeding`) follow the depths without reading the device.
     """
 
     req_ids: list[str]
@@ -90,6 +93,8 @@ class ProposedTrees:
     grafted: torch.Tensor
     lookup_buckets: torch.Tensor
     off_chain: np.ndarray
+    sent_tokens: np.ndarray
+    sent_depths: np.ndarray
 
 
 @dataclass

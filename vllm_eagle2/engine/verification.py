@@ -26,7 +26,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 
 from vllm_eagle2.device import cuda_path, to_device
-from vllm_eagle2.engine import attention
+from vllm_eagle2.engine import attention, seeding
 from vllm_eagle2.engine.step_state import Eagle2Step, MatchedTrees, ProposedTrees, VerifyStep
 from vllm_eagle2.kernels import PAD_PARENT, build_tree_masks
 from vllm_eagle2.verify.verifier import verify_tree
@@ -61,14 +61,12 @@ def _padded_drafts(
 def _verify_width(runner: GPUModelRunner, counts: list[int]) -> int:
     """Draft width N the verifier pads this step's trees to.
 
-    With the fixed budget, the configured drafts per step: fixed shapes, and a seeded request
-    draws as many numbers each step whatever the rest of the batch sends. With the adaptive
+    With the fixed budget, the configured drafts per step: fixed shapes. With the adaptive
     budget, the step's largest count rounded up to a power of two (a handful of shapes): the
     verifier's work is B * (N + 1) rows over the vocabulary, and padding a step that kept a
     few nodes per request to the upper bound (m = 60 by default) cost more than the nodes did
-    (measured: batch 16 on the CPU, ~50 ms a step on top of a 36 ms pass). A seeded request's
-    draws then depend on the batch, as its drafts already do under a timed budget; it stays
-    lossless.
+    (measured: batch 16 on the CPU, ~50 ms a step on top of a 36 ms pass). No request's
+    samples depend on the width: seeded ones draw per output position (:mod:`.seeding`).
     """
     if runner.drafter.budget is None:
         return runner.num_spec_tokens
@@ -115,7 +113,9 @@ def _matched_trees(
 
     st_tokens = stored(store.tokens, -1)
     # A prefix of a best-first tree is a tree: the budget or the scheduler may have cut it short.
-    same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= store.tokens.shape[1])
+    # (Only drafts that were sent can match: seeding._draft_depths makes the same match on the host.)
+    n_sent = store.off_chain.shape[1]
+    same = (src >= 0) & ((st_tokens == tokens) | ~valid).all(dim=1) & (valid.sum(1) <= n_sent)
     known = same.unsqueeze(1) & valid
     parents = torch.where(known, stored(store.parents, -1), chain)
     return MatchedTrees(
@@ -256,24 +256,30 @@ def sample_with_trees(
     row_idx = first_row.unsqueeze(1) + torch.minimum(col.unsqueeze(0), n.unsqueeze(1))
     # vLLM's own sampler draws every request's token at its root, as in a step without
     # drafts: requests without a tree take it, so a request samples the same way whatever
-    # else is in the batch (seeded requests stay reproducible run to run).
+    # else is in the batch. A seeded request's generator was seeded for this position
+    # (seeding.reseed), and its tree's rows are vLLM's samples too, one generator per output
+    # position: its tokens do not depend on its drafts (verified by sample-match, drawing no
+    # uniforms from its generator).
     plain = runner.sampler(
         logits=logits[first_row], sampling_metadata=replace(sampling, max_num_logprobs=None)
     )
     has_drafts = n > 0
-    counts = meta.num_draft_tokens  # host list: which rows draft needs no device sync
+    target = logits[row_idx]  # [B, N + 1, V]; rows without drafts repeat their root
+    seeded = seeding.seeded_rows(runner, meta.num_draft_tokens)  # host lists: no device sync
+    root = plain.sampled_token_ids.view(-1)
+    choices = seeding.seeded_choices(runner, seeded, target, root, sampling) if seeded.rows else None
     result = verify_tree(
         verify.tokens,
         verify.parents,
-        logits[row_idx],  # [B, N + 1, V]; rows without drafts repeat their root
+        target,
         temperature=None if sampling.all_greedy else sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
-        generators={r: g for r, g in (sampling.generators or {}).items() if counts[r] > 0},
+        choices=choices,
     )
     # Requests without drafts keep vLLM's own sample at the root.
     out_tokens = torch.where(has_drafts.unsqueeze(1), result.output_tokens, -1)
-    out_tokens[:, 0] = torch.where(has_drafts, out_tokens[:, 0], plain.sampled_token_ids.view(-1).long())
+    out_tokens[:, 0] = torch.where(has_drafts, out_tokens[:, 0], root.long())
     accepted = torch.where(has_drafts.unsqueeze(1), result.accepted_nodes, -1)
     num_accepted = torch.where(has_drafts, result.num_accepted, 0)
     out_width = out_tokens.shape[1]

@@ -121,22 +121,28 @@ def patch_runner_forward() -> None:
 
 
 def patch_runner_sampling() -> None:
-    """``_sample`` verifies trees instead of the rejection sampler (and keeps discarded CPU
-    generators, :mod:`.cpu_build`); ``_bookkeeping_sync`` hides those from vLLM's CUDA-only
-    rewind; ``sample_tokens`` hands the drafter the rows it reads and returns the step's drafts
-    with its output (:mod:`.scheduling`); ``_dummy_sampler_run`` (vLLM's memory profile) also runs
-    the tree verifier at its widest (:func:`vllm_eagle2.engine.startup.profile_verification`)."""
+    """``_sample`` seeds each seeded request's generator for its output position
+    (:func:`vllm_eagle2.engine.seeding.reseed`), verifies trees instead of the rejection sampler
+    (and keeps discarded CPU generators, :mod:`.cpu_build`); ``_bookkeeping_sync`` hides those
+    from vLLM's CUDA-only rewind; ``sample_tokens`` hands the drafter the rows it reads and returns
+    the step's drafts with its output (:mod:`.scheduling`); ``_dummy_sampler_run`` (vLLM's memory
+    profile) also runs the tree verifier at its widest
+    (:func:`vllm_eagle2.engine.startup.profile_verification`)."""
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_eagle2.engine import seeding
     from vllm_eagle2.engine import step as eagle2_step
 
     sample = GPUModelRunner._sample
 
     def _sample(self, logits, spec_decode_metadata):
-        fix = _is_eagle2(self) or cpu_build.fix_every_engine()
+        eagle2 = _is_eagle2(self)
+        fix = eagle2 or cpu_build.fix_every_engine()
         saved = [(gen, gen.get_state()) for gen in cpu_build.discarded_cpu_generators(self)] if fix else []
         try:
+            if eagle2:  # a seeded request's token k is drawn from a state of (seed, k) alone
+                seeding.reseed(self)
             step = getattr(self, "_eagle2_step", None)
             if spec_decode_metadata is not None and step is not None and step.verify is not None:
                 return eagle2_step.sample(self, step, logits, spec_decode_metadata)

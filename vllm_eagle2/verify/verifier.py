@@ -14,15 +14,25 @@ is the target's next-token distribution after the root, row ``i + 1`` after node
   left. One uniform ``u`` per level realises exactly these probabilities: sibling ``j``
   is accepted iff ``sum_{i<j} p_i <= u < sum_{i<=j} p_i``. The emitted tokens are then
   distributed exactly as sampling from the target alone.
+* Sample-match (rows given ``choices``, the seeded requests of an engine): the target's own
+  sample at every row is given (the choice at row ``i + 1`` is a sample of the target's filtered
+  distribution after node ``i``, with noise of its own per output position:
+  :mod:`vllm_eagle2.verify.seeded`). The greedy rule with the argmax replaced by these choices: a
+  node is accepted iff its token is the choice at its parent's row and its parent is accepted,
+  and the final token is the choice at the last accepted node's row. Each emitted token is then
+  the target's sample given the accepted prefix, so the output is distributed as sampling from
+  the target alone; a child is accepted with probability ``p(x)``, as under rejection sampling
+  of a point-mass draft. Such rows draw no uniforms from their generators.
 
-Both rules accept at most one child of each accepted node, so the accepted nodes form one
+All three rules accept at most one child of each accepted node, so the accepted nodes form one
 root path, and every node's own test ("would it be accepted if its parent were?") needs
 only its parent's row. Hence the whole tree is verified at once, in fixed shapes: a
 per-node ``hit`` test, then pointer jumping (ceil(log2 N) rounds) to keep the nodes whose
 every ancestor hit too. No data-dependent host sync (no ``nonzero``, ``.item()``,
 boolean-mask indexing or early exit), so the functions can be captured in a CUDA graph.
 Sampled verification without per-request generators has no sync either; seeded rows loop
-in Python over the seeded rows only (as vLLM's sampler does), without syncing.
+in Python over the seeded rows only (as vLLM's sampler does), without syncing; rows given
+choices draw nothing.
 
 The target logits are read once: every row's argmax (greedy) and the log-sum-exp of the
 row scaled by 1 / T (sampling); sampled probabilities are then formed only where needed
@@ -63,7 +73,8 @@ __all__ = [
 def _greedy_hits(
     tokens: torch.Tensor, parents: torch.Tensor, candidate: torch.Tensor, best: torch.Tensor
 ) -> torch.Tensor:
-    """[B, N] bool: candidate nodes carrying the target's argmax best [B, N + 1] at their parent."""
+    """[B, N] bool: candidate nodes carrying the target's choice best [B, N + 1] (its argmax, or
+    the given choices) at their parent."""
     return candidate & (tokens == best.gather(1, parents + 1))
 
 
@@ -113,6 +124,7 @@ def _verify(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    choices: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Fixed-shape verification; every public function ends here.
 
@@ -123,7 +135,9 @@ def _verify(
 
     uniforms: [B, N + 2] for sampling: ``uniforms[:, 0]`` for the final (correction or
     bonus) token, ``uniforms[:, 1 + l]`` for tree level l (the children of depth-l
-    nodes).
+    nodes). choices: [B, N + 1] int64, the target's choice at every row; rows whose
+    ``choices[:, 0] >= 0`` take the greedy rule on these instead of the argmax (merged per
+    row, like the greedy rows).
     """
     batch, n = tokens.shape
     rows = torch.arange(batch, device=tokens.device)
@@ -141,6 +155,11 @@ def _verify(
         if top_k is None and top_p is None:  # else the masked probabilities serve
             scale = temperature.reciprocal()
     best, lse = argmax_lse(logits, scale)  # [B, N + 1] each
+    if choices is not None:  # sample-match: the given choices stand in for the argmax
+        matched = choices[:, 0] >= 0
+        best = torch.where(matched.unsqueeze(1), choices, best)
+        if sampled:  # these rows take the greedy rule on their choices
+            greedy_row = greedy_row | matched
     hit = _greedy_hits(tokens, parents, candidate, best)
     if sampled:
         assert uniforms is not None
@@ -202,6 +221,7 @@ def verify_tree(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     generators: dict[int, torch.Generator] | None = None,
+    choices: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify a batch mixing greedy (temperature 0) and sampled requests.
 
@@ -209,6 +229,10 @@ def verify_tree(
     (per row) = greedy. ``generators``: per-row generators (row index -> generator) for
     seeded requests, each drawing N + 2 numbers per call (see :func:`_uniforms`); other rows
     draw from torch's global one.
+    ``choices``: [B, N + 1] int64, the target's sample at each row (row 0 after the root, row
+    ``i + 1`` after node ``i``), -1 for the rows that have none: rows whose ``choices[:, 0] >= 0``
+    are verified by sample-match (module docstring), and need every row their nodes can reach,
+    and no generator (pass those of the other seeded rows only: a given generator still draws).
     Without top-k / top-p, target probabilities are only formed at the gathered draft
     tokens (from each row's log-sum-exp) and the leaf row; with them, the masked
     distribution is built for the rows that parent a candidate (see
@@ -218,8 +242,10 @@ def verify_tree(
     Returns fixed widths: accepted_nodes [B, N], output_tokens [B, N + 1].
     """
     check_tree(tokens, parents, target_logits, "target_logits")
+    if choices is not None and choices.shape != target_logits.shape[:2]:
+        raise ValueError(f"choices: expected {tuple(target_logits.shape[:2])}, got {tuple(choices.shape)}")
     if temperature is None:
-        return _verify(tokens, parents, logits=target_logits)
+        return _verify(tokens, parents, logits=target_logits, choices=choices)
     batch, n = tokens.shape
     u = _uniforms(batch, n, tokens.device, generators)
     return _verify(
@@ -230,4 +256,5 @@ def verify_tree(
         top_k=top_k,
         top_p=top_p,
         uniforms=u,
+        choices=choices,
     )
