@@ -99,15 +99,18 @@ def run_steps(
     held: float,
     top1: float = 0.6,
     realised: float | None = None,
+    prefill_every: int = 0,
 ) -> list:
     """``steps`` decoding steps of ``batch`` requests holding ``held`` tokens of context each; the
     plan of each. Drafts are accepted at ``realised`` per drafted request (default: as the
-    acceptance table says, the chain of likeliest children)."""
+    acceptance table says, the chain of likeliest children). Every ``prefill_every``-th step also
+    prefills a new request's 100 prompt tokens (0: none)."""
     plans, sent = [], [0] * batch
-    for _ in range(steps):
+    for i in range(steps):
         verifies = sum(sent) > 0
-        tokens = batch + sum(sent)
-        times = budget.learn(tokens, verifies=verifies, context=held)
+        prompt = 100 if prefill_every and i % prefill_every == 0 else 0
+        tokens = batch + sum(sent) + prompt
+        times = budget.learn(tokens, prompt, verifies=verifies, context=held)
         now[0] += machine.target(tokens, held)
         times.target_done()
         share = budget.plan(batch, times=times)
@@ -237,6 +240,17 @@ def test_drafting_that_yields_less_than_priced_is_vetoed_and_probed_rarely(monke
     assert summary["steps_vetoed"] > 150 and summary["probes"] >= 3
     rates = summary["measured_rates"]["4"]
     assert rates["drafting"] < rates["plain"]
+
+
+def test_prefills_between_the_steps_keep_the_outcome_check_measuring(monkeypatch):
+    """A new request's prefill every other step (at batch 16 over 64 prompts: one in three) counts to
+    neither arm but does not break either's run: plain decoding is measured and the loss vetoed."""
+    now = fake_clock(monkeypatch)
+    machine = Machine(noise=0.05)
+    budget = calibrated(machine, top1=0.8)
+    plans = run_steps(budget, machine, now, 400, batch=4, held=200.0, top1=0.8, realised=0.0, prefill_every=2)
+    assert sum(p.drafts for p in plans[200:]) <= 200 * (PROBE_STEPS / PROBE_EVERY + 0.02)
+    assert budget.summary()["steps_vetoed"] > 150
 
 
 def test_drafting_that_pays_keeps_running_between_rare_plain_probes(monkeypatch):
