@@ -53,6 +53,10 @@ def budget_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
         "replans": after["replans"] - before["replans"],
         "acceptance_top1": after.get("acceptance_top1"),
         "prices_ms": after.get("prices_ms"),
+        # the outcome check: its probes and vetoes in these passes, its measured rates after them
+        "probes": after.get("probes", 0) - before.get("probes", 0),
+        "steps_vetoed": after.get("steps_vetoed", 0) - before.get("steps_vetoed", 0),
+        "measured_rates": after.get("measured_rates"),
     }
 
 

@@ -100,6 +100,9 @@ def _budget_sum(budgets: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         # the last round's state of the cost and acceptance models: what the plans weighed
         "acceptance_top1": have[-1].get("acceptance_top1"),
         "prices_ms": have[-1].get("prices_ms"),
+        "probes": sum(b.get("probes", 0) for b in have),
+        "steps_vetoed": sum(b.get("steps_vetoed", 0) for b in have),
+        "measured_rates": have[-1].get("measured_rates"),
     }
 
 
