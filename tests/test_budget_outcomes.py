@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from test_budget import fake_clock  # the budget's clock, scripted
 
 from vllm_eagle2.budget import outcomes as outcomes_module
 from vllm_eagle2.budget.adaptive import AdaptiveBudget
@@ -48,18 +49,6 @@ class Machine:
 
     def level(self, rows: int, held: float) -> float:
         return self._noisy(0.1 * (self.fixed + self.per_row * rows + self.context * rows * held))
-
-
-def fake_clock(monkeypatch) -> list[float]:
-    from types import SimpleNamespace
-
-    from vllm_eagle2.budget import adaptive, costs, timing
-
-    now = [0.0]
-    clock = SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0])
-    for module in (adaptive, costs, timing):
-        monkeypatch.setattr(module, "time", clock)
-    return now
 
 
 def calibrated(machine: Machine, top1: float = 0.6, **kw) -> AdaptiveBudget:

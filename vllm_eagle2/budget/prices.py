@@ -198,35 +198,24 @@ class Prices:
             "draft_overhead": draft_overhead + speed * self.between,
         }
 
+    #: The scalars :meth:`state` holds, in order (``draft_overhead`` NaN while unset).
+    SCALARS = ("speed", "drafting_speed", "overhead", "draft_overhead", "between", "context", "level_context")
+
     def state(self) -> np.ndarray:
         """Everything learnt from timings, as one float64 vector (NaN = unset)."""
-        draft_overhead = np.nan if self.draft_overhead is None else self.draft_overhead
-        scalars = [
-            self.speed,
-            self.drafting_speed,
-            self.overhead,
-            draft_overhead,
-            self.between,
-            self.context,
-            self.level_context,
-        ]
+        scalars = [getattr(self, name) for name in self.SCALARS]
+        scalars = [np.nan if x is None else x for x in scalars]
         curves = [curve.state() for curve in (self.target, self.verify, self.level)]
         return np.concatenate([np.array(scalars, dtype=np.float64), *curves])
 
     def load_state(self, state: np.ndarray) -> None:
         """Take another engine's :meth:`state` (the same settings)."""
-        (
-            self.speed,
-            self.drafting_speed,
-            self.overhead,
-            draft_overhead,
-            self.between,
-            self.context,
-            self.level_context,
-        ) = (float(x) for x in state[:7])
-        self.draft_overhead = None if np.isnan(draft_overhead) else draft_overhead
+        for name, x in zip(self.SCALARS, state[: len(self.SCALARS)]):
+            setattr(self, name, None if np.isnan(x) else float(x))
         curves = (self.target, self.verify, self.level)
-        parts = np.split(state[7:], np.cumsum([3 * len(curve.knots) for curve in curves])[:-1])
+        parts = np.split(
+            state[len(self.SCALARS) :], np.cumsum([3 * len(curve.knots) for curve in curves])[:-1]
+        )
         for curve, part in zip(curves, parts):
             curve.load_state(part)
 
