@@ -68,10 +68,14 @@ class Outcomes:
     def band(batch: int) -> int:
         return max(1, int(batch)).bit_length() - 1
 
+    def _row(self, batch: int) -> int:
+        """The band of ``batch`` in this engine's tables (the last holds every larger batch)."""
+        return min(self.band(batch), len(self.steps) - 1)
+
     def record(self, batch: int, drafting: bool, tokens: float, seconds: float) -> None:
         """A finished step of ``batch`` requests, of arm ``drafting`` (else plain), that yielded
         ``tokens`` in ``seconds``."""
-        b = min(self.band(batch), len(self.steps) - 1)
+        b = self._row(batch)
         arm = DRAFTING if drafting else PLAIN
         n = self.steps[b, arm]
         if n >= 1:
@@ -83,7 +87,7 @@ class Outcomes:
 
     def rate(self, batch: int, drafting: bool) -> float | None:
         """The band's measured tokens per second of that arm (None: fewer than ``MIN_STEPS``)."""
-        b = min(self.band(batch), len(self.steps) - 1)
+        b = self._row(batch)
         arm = DRAFTING if drafting else PLAIN
         if self.steps[b, arm] < MIN_STEPS or self.seconds[b, arm] <= 0:
             return None
@@ -93,7 +97,7 @@ class Outcomes:
         """Whether a step of ``batch`` requests whose prices call for head drafts runs them.
 
         Called once per such step (it counts the band's steps and runs its probes)."""
-        b = min(self.band(batch), len(self.steps) - 1)
+        b = self._row(batch)
         if self.probe_left[b] > 0:
             self.probe_left[b] -= 1
             drafting = self.probe_arm[b] == DRAFTING
