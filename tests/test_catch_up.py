@@ -66,13 +66,49 @@ def test_rows_that_no_longer_end_where_the_request_resumes_are_dropped():
     assert catch_up.rows_dropped == 4
 
 
-def test_the_queue_is_bounded_in_steps_and_rows():
-    catch_up = DeferredCatchUp(max_rows=10, max_steps=3)
+def test_a_verifying_steps_rejected_rows_are_replaced_by_the_next_steps():
+    """a verified 2 drafts at 11-12 and accepted 1: its next step starts at 12, whose row replaces
+    the rejected one; b verified 1 draft at 21 and accepted none."""
+    catch_up = DeferredCatchUp(max_rows=64)
+    waiting_rows(catch_up, ["a", "b"], [10, 11, 12, 20, 21], counts=[3, 2])
+    waiting_rows(catch_up, ["a", "b"], [12, 21])
+    rows = catch_up.take({"a": 0, "b": 1}, np.array([13, 22]))
+    assert rows.counts.tolist() == [3, 2] and rows.positions.tolist() == [10, 11, 12, 20, 21]
+    assert rows.tokens.tolist() == [0, 1, 10, 3, 11] and catch_up.rows_dropped == 0
+
+
+def room(catch_up: DeferredCatchUp, rows: int, starts: list[int]) -> bool:
+    """``has_room`` for a decoding step of requests a, b, c, d at ``starts``, one row each."""
+    starts = np.array(starts)
+    return catch_up.has_room(rows, ["a", "b", "c", "d"][: len(starts)], starts, starts + 1)
+
+
+def test_the_waiting_rows_fit_one_head_pass():
+    catch_up = DeferredCatchUp(max_rows=10)
     for step in range(2):
-        assert catch_up.has_room(4)
+        assert room(catch_up, 4, [step] * 4)
         waiting_rows(catch_up, ["a", "b", "c", "d"], [step] * 4)
-    assert not catch_up.has_room(4)  # 12 rows would not fit one head pass
-    assert DeferredCatchUp(max_rows=100, max_steps=2).has_room(4)
+    assert not room(catch_up, 4, [2] * 4)  # 12 rows would not fit one head pass
+
+
+def test_without_prefix_caching_rows_wait_until_drafting_resumes():
+    catch_up = DeferredCatchUp(max_rows=1000, block_size=0, max_steps=2)
+    for step in range(40):
+        assert room(catch_up, 2, [step, step])
+        waiting_rows(catch_up, ["a", "b"], [step, step])
+
+
+def test_rows_in_full_blocks_wait_at_most_max_steps():
+    """Under prefix caching a full block's head K/V may be read by a later request: its rows run
+    within ``max_steps``; the rows of a request's last, partial block wait on."""
+    catch_up = DeferredCatchUp(max_rows=1000, block_size=8, max_steps=2)
+    for step in range(5):  # a at 0-4 and b at 10-14: their blocks (0-7, 8-15) not full yet
+        assert room(catch_up, 2, [step, 10 + step])
+        waiting_rows(catch_up, ["a", "b"], [step, 10 + step])
+    assert not room(catch_up, 2, [5, 15])  # b's row at 15 fills block 8-15
+    fresh = DeferredCatchUp(max_rows=1000, block_size=8, max_steps=2)
+    waiting_rows(fresh, ["a", "b"], [0, 10])
+    assert room(fresh, 2, [1, 16])  # a block is full, but its rows waited less than max_steps
 
 
 def test_a_steps_rows_pair_each_token_with_the_one_after_it():
@@ -88,6 +124,23 @@ def test_a_steps_rows_pair_each_token_with_the_one_after_it():
     )
     assert step.counts.tolist() == [1, 3] and step.positions.tolist() == [9, 0, 1, 2]
     assert step.tokens.tolist() == [50, 7, 8, 80] and step.hidden.squeeze(1).tolist() == [0, 1, 2, 3]
+
+
+def test_a_verifying_steps_rows_are_followed_by_their_samples():
+    """Request a verified 2 drafts (its rows in chain order): root and drafts are followed by its
+    samples, whatever it accepted; b, a 2-token prompt in the same step, by its next token and then
+    its one sample."""
+    step = step_rows(
+        ["a", "b"],
+        query_start_loc=np.array([0, 3, 5]),
+        starts=np.array([10, 0]),
+        input_ids=torch.tensor([5, 6, 7, 8, 9, 0], dtype=torch.int32),
+        hidden=torch.arange(6).float().unsqueeze(1),
+        sampled=torch.tensor([[60, 61, -1], [90, -1, -1]], dtype=torch.int32),
+        drafts=np.array([2, 0]),
+    )
+    assert step.positions.tolist() == [10, 11, 12, 0, 1]
+    assert step.tokens.tolist() == [60, 61, -1, 9, 90]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +179,31 @@ def test_a_budget_that_never_drafts_runs_no_head_pass_between_flushes(pair, prom
     # Head passes: one per 16 waiting steps, the prefills' included.
     assert stats["head_passes"] == stats["catch_up_flushes"]
     assert stats["catch_up_flushes"] <= steps // 16 + 1
+
+
+def test_rows_of_a_request_that_finishes_while_they_wait_never_run(pair, monkeypatch):
+    """Four requests end after 24 tokens while their rows wait (no block of theirs fills); the
+    100-token prompt's first block fills 4 tokens later and the rows run: the finished requests'
+    are dropped, none of theirs ran (before, the rows ran every 16 steps)."""
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(0)
+    lengths = [3, 100, 9, 33, 5, 40, 20, 60]  # the cache's blocks hold 128 tokens
+    prompts = [{"prompt_token_ids": rng.integers(6, 512, n).tolist()} for n in lengths]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24 if i % 2 == 0 else 64, ignore_eos=True)
+        for i in range(8)
+    ]
+    plain, _ = run_llm(pair[0], None, prompts, params)
+    monkeypatch.setenv(COSTS_ENV, NEVER)
+    outputs, metrics = run_llm(
+        pair[0], {"method": "eagle2", "model": str(pair[1]["eagle"]), "lookup": 0}, prompts, params
+    )
+    assert tokens_of(outputs) == tokens_of(plain)
+    stats = metrics["eagle2"]
+    assert stats["drafts"] == 0 and stats["catch_up_flushes"] >= 1
+    # Their prompts and 23 tokens each (the last sampled is never scheduled).
+    assert stats["catch_up_rows_dropped"] == sum(lengths[0::2]) + 4 * 23
 
 
 def drafting_record(monkeypatch, *, catch_up: str) -> dict[tuple, tuple[int, list[int]]]:
@@ -213,8 +291,9 @@ def test_drafts_after_a_pause_are_the_drafts_without_one(
     assert tokens == base_tokens == reference
     assert base_metrics["eagle2"]["catch_up_deferred_steps"] == 0
     stats = metrics["eagle2"]
-    # A pause's first step verifies the drafts before it: its catch-up runs; the others wait.
-    assert stats["catch_up_deferred_steps"] == sum(len(r) - 1 for r in PAUSES)
+    # Every step of a pause waits, its first too, which verifies the drafts sent before it: its
+    # rows past the accepted ones are dropped (else the trees after the pause would differ).
+    assert stats["catch_up_deferred_steps"] == sum(len(r) for r in PAUSES)
     assert stats["catch_up_flushes"] == len(PAUSES) and stats["catch_up_rows_dropped"] == 0
     assert stats["head_passes"] < base_metrics["eagle2"]["head_passes"]
     # The same trees at the same roots, those right after a pause included, so the same acceptance.

@@ -90,6 +90,8 @@ def test_steps_whose_head_drafts_nothing_still_send_lookup_chains(pair, prompts,
     # Every draft verified came from a lookup chain, sent as a chain (no tree mask needed).
     assert stats["lookup_drafts"] == metrics["vllm:spec_decode_num_draft_tokens"], stats
     assert stats["tree_rows"] == 0, stats
+    # The head's catch-up waited through the chains' verifying steps too: no head pass of its own.
+    assert stats["catch_up_deferred_steps"] > 0 and stats["head_passes"] == stats["catch_up_flushes"], stats
 
 
 #: Draft levels of 5 ms beside a 20 ms target: the head's drafts pay, confident chains alone pay more.

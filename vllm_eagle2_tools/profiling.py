@@ -165,6 +165,8 @@ def run(
     out = breakdown(timers, wall)
     out.update(label=label, spec=spec, tokens=tokens, tokens_per_s=round(tokens / wall, 2))
     out["tokens_per_step"] = round(tokens / out["steps"], 3)  # all requests of the batch together
+    if spec is not None:  # what the drafter did: drafts, catch-up rows run and dropped, the budget's
+        out["eagle2_stats"] = llm.collective_rpc("eagle2_stats")[0]
     shutdown_llm(llm)
     del llm
     log(f"{label}: {tokens} tokens in {wall:.1f} s, {out['steps']} steps")

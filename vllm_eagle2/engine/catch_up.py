@@ -6,13 +6,22 @@ gaps, and the drafts after a run of such steps were rejected: top-1 acceptance 7
 on SmolLM2). A step that sends no drafts needs nothing else from the head. Its catch-up rows wait
 here instead: the target's hidden state at each request's position, the token sampled after it,
 and the position. They run as one head pass when drafting resumes, before that step's own
-catch-up, or once :data:`MAX_STEPS` steps have waited: a step without drafts then costs what a
-plain step costs, and the head's context has no gap.
+catch-up: a step without drafts then costs what a plain step costs, and the head's context has no
+gap. A request that finishes while its rows wait never costs the head anything (at batch 16 on
+CPU, where drafting seldom pays, the head's catch-up was 3.5% of every step).
 
-Steps wait that verified no drafts and discard no sample (no partial prefill): each scheduled
-token is then a catch-up row, a decoding request's one token as a new request's whole prompt, and
-a request's rows are consecutive positions that end where its next catch-up begins. Rows whose
-request left the batch, or came back at another position (preempted, then recomputed), are
+Two bounds make the rows run earlier: all of them must fit one head pass, and under prefix caching
+a row in a full KV block (which the prefix cache may hand to a later request, whose drafts would
+read the head's K/V there) waits at most :data:`MAX_STEPS` steps. Rows of a request's last, partial
+block are its own: they wait until it drafts again or leaves.
+
+Steps wait that discard no sample (no partial prefill): each scheduled token is then a catch-up
+row, a decoding request's one token as a new request's whole prompt. A step that verified drafts
+(lookup chains sent alone, or a probe's tree) waits too: its rows are in chain order after
+verification, and those past the accepted drafts are dropped when the rows run, as the request's
+next rows begin at or before them; so the head's catch-up waits all through a run of lookup
+chains. A request's rows are consecutive positions that end where its next catch-up begins. Rows
+whose request left the batch, or came back at another position (preempted, then recomputed), are
 dropped: that request's catch-up covers its context again.
 """
 
@@ -55,8 +64,8 @@ class CatchUpHead(Protocol):
     ) -> None: ...
 
 
-#: Steps whose rows may wait; the next one runs them. Bounds the rows kept (MAX_STEPS x batch) and
-#: how far prefix-cached blocks may lag in head KV.
+#: Under prefix caching, the steps rows in full KV blocks may wait: how far prefix-cached blocks
+#: may lag in head KV.
 MAX_STEPS = 16
 
 
@@ -93,12 +102,18 @@ class CatchUpRows:
 
 
 class DeferredCatchUp:
-    """Catch-up rows of steps without drafts, until the head runs them (host bookkeeping only)."""
+    """Catch-up rows of steps without drafts, until the head runs them (host bookkeeping only).
 
-    def __init__(self, max_rows: int, max_steps: int = MAX_STEPS) -> None:
-        self.max_rows = max_rows  # the head's widest pass
+    max_rows: the head's widest pass; block_size: the prefix cache's block (0: no prefix caching,
+    no row is shared); max_steps: the steps a row in a full block may wait.
+    """
+
+    def __init__(self, max_rows: int, block_size: int = 0, max_steps: int = MAX_STEPS) -> None:
+        self.max_rows = max_rows
+        self.block_size = block_size
         self.max_steps = max_steps
         self.waiting: list[WaitingStep] = []
+        self._first: dict[str, int] = {}  # request id -> its first waiting position
         self.deferred_steps = 0
         self.flushes = 0
         self.rows_run = 0
@@ -108,32 +123,56 @@ class DeferredCatchUp:
     def rows(self) -> int:
         return sum(len(s.positions) for s in self.waiting)
 
-    def has_room(self, rows: int) -> bool:
+    def has_room(self, rows: int, req_ids: list[str], starts: np.ndarray, ends: np.ndarray) -> bool:
         """Whether a step of ``rows`` rows may wait: all waiting rows still fit one head pass, and
-        fewer than ``max_steps`` steps wait."""
-        return len(self.waiting) < self.max_steps and self.rows + rows <= self.max_rows
+        none in a full block has waited ``max_steps`` steps.
+
+        req_ids: the step's B requests; starts / ends: [B] int64 host, each one's first row this
+        step and its context after the step."""
+        if self.rows + rows > self.max_rows:
+            return False
+        if len(self.waiting) < self.max_steps or not self.block_size:
+            return True
+        first = np.fromiter(map(self._first.get, req_ids, starts.tolist()), np.int64, len(req_ids))
+        # A request's waiting rows span [first, end): one lies in a full block once a block ends there.
+        return not (first // self.block_size < ends // self.block_size).any()
 
     def defer(self, step: WaitingStep) -> None:
         """Keep a step's rows; its tensors must be copies (the runner reuses its buffers)."""
         self.waiting.append(step)
         self.deferred_steps += 1
+        firsts = step.positions[np.cumsum(step.counts) - step.counts]
+        self._first = {**dict(zip(step.req_ids, firsts.tolist())), **self._first}
 
     def take(self, batch_rows: dict[str, int], next_positions: np.ndarray) -> CatchUpRows | None:
         """The waiting rows that still belong where they were, and an empty queue; None if none do.
 
         batch_rows: request id -> its row in the current batch; next_positions: [B] int64 host, the
-        first position of each row's catch-up this step. A request's rows are kept only when they
-        are the consecutive positions that end right before it."""
-        waiting, self.waiting = self.waiting, []
+        first position of each row's catch-up this step. A verifying step's rows past a request's
+        accepted drafts are replaced: the request's next rows begin at or before them. A request's
+        other rows are kept only when they are the consecutive positions that end right before
+        ``next_positions``."""
+        waiting, self.waiting, self._first = self.waiting, [], {}
         if not waiting:
             return None
-        rows = np.concatenate(
-            [
-                np.repeat(np.array([batch_rows.get(r, -1) for r in s.req_ids], dtype=np.int64), s.counts)
-                for s in waiting
-            ]
+        # One group per (waiting step, request): its batch row now, its first position, its rows.
+        group_rows = np.concatenate(
+            [np.array([batch_rows.get(r, -1) for r in s.req_ids], dtype=np.int64) for s in waiting]
         )
+        group_counts = np.concatenate([s.counts for s in waiting])
+        group_starts = np.concatenate([s.positions[np.cumsum(s.counts) - s.counts] for s in waiting])
+        group_steps = np.repeat(np.arange(len(waiting)), [len(s.counts) for s in waiting])
+        # Each group holds positions up to where the request's next group (or this step) starts.
+        by_request = np.lexsort((group_steps, group_rows))
+        ends = np.append(group_starts[by_request][1:], 0)
+        last_of_request = np.append(group_rows[by_request][1:] != group_rows[by_request][:-1], True)
+        ends[last_of_request] = next_positions[group_rows[by_request][last_of_request].clip(min=0)]
+        group_ends = np.empty_like(ends)
+        group_ends[by_request] = ends
+        owners = np.repeat(group_rows, group_counts)
         positions = np.concatenate([s.positions for s in waiting])
+        replaced = (owners >= 0) & (positions >= np.repeat(group_ends, group_counts))
+        rows = np.where(replaced, -1, owners)
         order = np.lexsort((positions, rows))
         rows, positions = rows[order], positions[order]
         present = rows >= 0
@@ -148,7 +187,9 @@ class DeferredCatchUp:
         distinct[1:] = (rows[1:] != rows[:-1]) | (positions[1:] != positions[:-1])
         whole &= np.bincount(rows[present & distinct], minlength=len(next_positions)) == counts
         keep = present & whole[rows.clip(min=0)]
-        self.rows_dropped += int(len(rows) - keep.sum())
+        # A kept request's replaced rows were rejected drafts, not dropped context.
+        rejected = replaced & whole[owners.clip(min=0)]
+        self.rows_dropped += int(len(rows) - keep.sum() - rejected.sum())
         if not keep.any():
             return None
         index = torch.from_numpy(order[keep]).to(waiting[0].hidden.device)
@@ -175,12 +216,11 @@ class DeferredCatchUp:
 def rows_may_wait(
     step: Eagle2Step | None, batch: int, sampled: torch.Tensor | list[list[int]], discarded: np.ndarray
 ) -> bool:
-    """Whether a step's catch-up rows may wait: it verified no drafts and discards no sample
-    (``discarded``: [B] bool host, a partial prefill's), ``sampled`` is a [B, 1] tensor, and the
-    target's hidden-state rows (:class:`~.step_state.Eagle2Step`) are at hand."""
-    if step is None or step.verify is not None or batch == 0 or not step.hidden_states:
-        return False
-    if not isinstance(sampled, torch.Tensor) or sampled.shape[1] != 1:
+    """Whether a step's catch-up rows may wait: it discards no sample (``discarded``: [B] bool host,
+    a partial prefill's), ``sampled`` is the device tensor of its samples, and the target's
+    hidden-state rows (:class:`~.step_state.Eagle2Step`) are at hand. A step that verified drafts
+    may wait too: its accepted rows are in chain order by now (the verifier moved them)."""
+    if step is None or batch == 0 or not step.hidden_states or not isinstance(sampled, torch.Tensor):
         return False
     return not discarded.any()
 
@@ -192,21 +232,33 @@ def step_rows(
     input_ids: torch.Tensor,
     hidden: torch.Tensor,
     sampled: torch.Tensor,
+    drafts: np.ndarray | None = None,
 ) -> WaitingStep:
     """A step's catch-up rows, as the head's first pass would read them (copies).
 
     req_ids: the B requests; query_start_loc: [B + 1] host, their rows; starts: [B] host, each one's
     first position; input_ids: the scheduled tokens (the first T); hidden: the target's rows;
-    sampled: [B, 1] the tokens sampled after each request's last row.
+    sampled: [B, W] the tokens sampled for each request (-1 past those it accepted); drafts: [B]
+    int64 host, the drafts each one verified (None: none did).
+
+    A request's rows are followed by the next scheduled token, but its last ``1 + drafts``: root
+    and drafts, in chain order after verification, are followed by its samples, the accepted drafts
+    and the token after them. Rows past the accepted drafts are kept too (the accepted count lies
+    on the device): :meth:`DeferredCatchUp.take` drops them.
     """
     counts = np.diff(query_start_loc).astype(np.int64)
     total = int(query_start_loc[-1])
     within = np.arange(total) - np.repeat(query_start_loc[:-1], counts)
     positions = np.repeat(starts.astype(np.int64), counts) + within
+    drafts = np.zeros_like(counts) if drafts is None else drafts
+    column = within - np.repeat(counts - 1 - drafts, counts)  # of the request's samples; < 0: none
+    from_sampled = column >= 0
+    index = np.repeat(np.arange(len(counts)) * sampled.shape[1], counts) + column.clip(min=0)
+    device = input_ids.device
     tokens = torch.empty_like(input_ids[:total])
-    tokens[:-1] = input_ids[1:total]  # each row is followed by the next scheduled token ...
-    last = to_device(query_start_loc[1:] - 1, input_ids.device)
-    tokens[last] = sampled[:, 0].to(tokens.dtype)  # ... or, after a request's last, by its sample
+    tokens[:-1] = input_ids[1:total]
+    samples = sampled.reshape(-1).to(tokens.dtype)[to_device(index, device)]
+    tokens = torch.where(to_device(from_sampled, device), samples, tokens)
     return WaitingStep(list(req_ids), counts, positions, hidden[:total].clone(), tokens)
 
 
@@ -266,17 +318,18 @@ def rows_wait(
         return False
     qsl = runner.query_start_loc.np[: batch + 1]
     total = int(qsl[-1])
-    full = not queue.has_room(total)
+    req_ids = runner.input_batch.req_ids[:batch]
+    starts = runner.input_batch.num_computed_tokens_cpu[:batch]
+    ends = starts + np.diff(qsl)
+    full = not queue.has_room(total, req_ids, starts, ends)
     if full and queue.rows + total > queue.max_rows:
         return False  # propose runs the waiting rows, then this step's catch-up
     hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
     rows = torch.cat(hidden[1:], dim=-1) if head.method == "eagle3" else hidden[0]
-    starts = runner.input_batch.num_computed_tokens_cpu[:batch]
-    queue.defer(
-        step_rows(runner.input_batch.req_ids[:batch], qsl, starts, runner.input_ids.gpu, rows, sampled)
-    )
+    drafts = None if step.verify is None else step.verify.num_drafts_host
+    queue.defer(step_rows(req_ids, qsl, starts, runner.input_ids.gpu, rows, sampled, drafts))
     if full:
-        run_waiting(queue, head, runner, cad, starts + np.diff(qsl))
+        run_waiting(queue, head, runner, cad, ends)
     return True
 
 

@@ -84,7 +84,10 @@ class Eagle2Proposer(HeadPasses, EagleProposer):
         self._full_plan = DraftPlan(
             depth=s.depth, topk=s.topk, num_nodes=s.num_nodes, per_request=s.nodes_per_step, rate=0.0
         )
-        self.catch_up = DeferredCatchUp(max_rows=self.max_num_tokens)
+        cache = vllm_config.cache_config
+        self.catch_up = DeferredCatchUp(
+            max_rows=self.max_num_tokens, block_size=cache.block_size if cache.enable_prefix_caching else 0
+        )
         self.head_passes = 0
         self.counters = VerifyCounters(device)
         self.lookup = LookupDrafts(s.lookup, device, cache_tokens=s.lookup_cache) if s.lookup else None

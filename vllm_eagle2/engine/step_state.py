@@ -102,7 +102,8 @@ class VerifyStep:
     """The trees of this step's verification, B = requests in the batch.
 
     tokens / parents: [B, N] int64 (tokens -1 and parents -1 past a request's drafts).
-    num_drafts: [B] int64; row_start: [B] int64, flattened row of each request's root.
+    num_drafts: [B] int64, and num_drafts_host its host copy; row_start: [B] int64, flattened row
+        of each request's root.
     depths: [B, N] int64, a root child is 1 deep (as in :class:`vllm_eagle2.tree.DraftTree`;
         0 past the drafts); trees: the drafter's record of them.
     """
@@ -110,6 +111,7 @@ class VerifyStep:
     tokens: torch.Tensor
     parents: torch.Tensor
     num_drafts: torch.Tensor
+    num_drafts_host: np.ndarray
     row_start: torch.Tensor
     depths: torch.Tensor
     trees: MatchedTrees

@@ -166,6 +166,7 @@ def prepare_tree_verification(
         tokens=tokens,
         parents=trees.parents,
         num_drafts=n,
+        num_drafts_host=counts,
         row_start=row_start,
         depths=torch.where(valid, torch.arange(width, device=device) + 1, 0),  # node i of a chain
         trees=trees,
