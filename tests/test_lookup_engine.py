@@ -21,6 +21,7 @@ from test_engine_lossless import greedy, greedy_reference, tokens_of
 from test_sampling_lossless import NUM_SAMPLES, _sharpen_the_verifier, homogeneity_pvalue
 
 from vllm_eagle2.budget.costs import COSTS_ENV
+from vllm_eagle2.engine.catch_up import DeferredCatchUp
 from vllm_eagle2_tools.testing import build_eagle_head, build_pair
 
 TREE = dict(num_speculative_tokens=12, depth=4, topk=3)
@@ -92,6 +93,20 @@ def test_steps_whose_head_drafts_nothing_still_send_lookup_chains(pair, prompts,
     assert stats["tree_rows"] == 0, stats
     # The head's catch-up waited through the chains' verifying steps too: no head pass of its own.
     assert stats["catch_up_deferred_steps"] > 0 and stats["head_passes"] == stats["catch_up_flushes"], stats
+
+
+def test_a_full_catch_up_queue_at_a_verifying_step_runs_with_its_own_catch_up(
+    pair, prompts, reference, monkeypatch
+):
+    """With the queue full at every step, a step that verified chains cannot run the waiting rows
+    with its own (which of them were accepted is on the device): its catch-up pass runs them."""
+    monkeypatch.setenv(COSTS_ENV, HEAD_NEVER_PAYS)
+    monkeypatch.setattr(DeferredCatchUp, "has_room", lambda self, *args: False)
+    target, head = pair
+    outputs, metrics = run_llm(target, eagle2(head, lookup=8), prompts, greedy())
+    assert tokens_of(outputs) == reference()
+    stats = metrics["eagle2"]
+    assert stats["lookup_drafts"] > 0 and stats["head_passes"] > stats["catch_up_flushes"] > 0, stats
 
 
 #: Draft levels of 5 ms beside a 20 ms target: the head's drafts pay, confident chains alone pay more.

@@ -322,8 +322,11 @@ def rows_wait(
     starts = runner.input_batch.num_computed_tokens_cpu[:batch]
     ends = starts + np.diff(qsl)
     full = not queue.has_room(total, req_ids, starts, ends)
-    if full and queue.rows + total > queue.max_rows:
-        return False  # propose runs the waiting rows, then this step's catch-up
+    # With the queue full, propose runs the waiting rows, then this step's catch-up: where the rows
+    # would not fit one pass, and where the step verified drafts (which of its rows were accepted
+    # the host learns only from the next step's positions).
+    if full and (queue.rows + total > queue.max_rows or step.verify is not None):
+        return False
     hidden = step.hidden_states  # EAGLE-3: the auxiliary rows, as vLLM hands the drafter them
     rows = torch.cat(hidden[1:], dim=-1) if head.method == "eagle3" else hidden[0]
     drafts = None if step.verify is None else step.verify.num_drafts_host
