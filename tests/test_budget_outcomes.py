@@ -231,6 +231,17 @@ def test_drafting_that_yields_less_than_priced_is_vetoed_and_probed_rarely(monke
     assert rates["drafting"] < rates["plain"]
 
 
+def test_a_fresh_band_measures_plain_decoding_as_soon_as_its_drafting(monkeypatch):
+    """The same loss from the first step: plain decoding is probed once drafting has its few
+    measured steps, and the veto comes within a few steps more (not after a due probe's 48)."""
+    now = fake_clock(monkeypatch)
+    machine = Machine(noise=0.05)
+    budget = calibrated(machine, top1=0.8)
+    plans = run_steps(budget, machine, now, 24, batch=4, held=200.0, top1=0.8, realised=0.0)
+    assert sum(p.drafts for p in plans) <= 2 * (outcomes_module.MIN_STEPS + 1)
+    assert budget.summary()["probes"] == 1 and not plans[-1].drafts
+
+
 def test_prefills_between_the_steps_keep_the_outcome_check_measuring(monkeypatch):
     """A new request's prefill every other step (at batch 16 over 64 prompts: one in three) counts to
     neither arm but does not break either's run: plain decoding is measured and the loss vetoed."""

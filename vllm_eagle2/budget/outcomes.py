@@ -12,7 +12,8 @@ Each arm's rate is its tokens over its seconds (start to the next step's start, 
 work), averaged over its last ~``MEMORY`` steps. A head plan runs only while the band's drafting
 rate is at least its plain rate; the other arm is measured by probes, ``PROBE_STEPS`` steps every
 ``PROBE_EVERY`` (the first step of a probe is a transition and teaches nothing). Until both arms
-are measured the prices decide alone. Every decision is a function of the state and the step
+are measured the prices decide, and a band's plain arm is probed as soon as its drafting arm is
+measured. Every decision is a function of the state and the step
 counts, so ranks that share the state (:meth:`Outcomes.state`) decide alike.
 """
 
@@ -106,7 +107,9 @@ class Outcomes:
         self.since_probe[b] += 1
         due = self.since_probe[b] > PROBE_EVERY
         if drafting_rate is None or plain_rate is None:
-            if due and plain_rate is None:  # plain decoding's rate is the bar
+            # Plain decoding's rate is the bar: probed as soon as drafting's is measured (waiting
+            # for a due probe, batch 16 drafted its first 48 steps at 0.6x plain decoding's rate).
+            if plain_rate is None and (due or drafting_rate is not None):
                 return self._probe(b, PLAIN)
             return Verdict(True, "no evidence")
         if drafting_rate >= plain_rate:
