@@ -85,6 +85,11 @@ class WaitingStep:
     hidden: torch.Tensor
     tokens: torch.Tensor
 
+    @property
+    def starts(self) -> np.ndarray:
+        """[B] int64 host, each request's first position."""
+        return self.positions[np.cumsum(self.counts) - self.counts]
+
 
 @dataclass
 class CatchUpRows:
@@ -133,6 +138,7 @@ class DeferredCatchUp:
             return False
         if len(self.waiting) < self.max_steps or not self.block_size:
             return True
+        # Host arrays (no device read); requests without waiting rows start with this step's.
         first = np.fromiter(map(self._first.get, req_ids, starts.tolist()), np.int64, len(req_ids))
         # A request's waiting rows span [first, end): one lies in a full block once a block ends there.
         return not (first // self.block_size < ends // self.block_size).any()
@@ -141,8 +147,8 @@ class DeferredCatchUp:
         """Keep a step's rows; its tensors must be copies (the runner reuses its buffers)."""
         self.waiting.append(step)
         self.deferred_steps += 1
-        firsts = step.positions[np.cumsum(step.counts) - step.counts]
-        self._first = {**dict(zip(step.req_ids, firsts.tolist())), **self._first}
+        # Earlier steps' first positions stand (host arrays: no device read).
+        self._first = {**dict(zip(step.req_ids, step.starts.tolist())), **self._first}
 
     def take(self, batch_rows: dict[str, int], next_positions: np.ndarray) -> CatchUpRows | None:
         """The waiting rows that still belong where they were, and an empty queue; None if none do.
@@ -160,7 +166,7 @@ class DeferredCatchUp:
             [np.array([batch_rows.get(r, -1) for r in s.req_ids], dtype=np.int64) for s in waiting]
         )
         group_counts = np.concatenate([s.counts for s in waiting])
-        group_starts = np.concatenate([s.positions[np.cumsum(s.counts) - s.counts] for s in waiting])
+        group_starts = np.concatenate([s.starts for s in waiting])
         group_steps = np.repeat(np.arange(len(waiting)), [len(s.counts) for s in waiting])
         # Each group holds positions up to where the request's next group (or this step) starts.
         by_request = np.lexsort((group_steps, group_rows))
