@@ -17,9 +17,8 @@ Three scenarios on the "partial" tiny pair (eagle2 with m=12, depth=4, topk=3, f
    RNGs and freezes ``vllm.envs`` into a cache.
 
 2. Abort mid-stream. One eagle2 server per module (``python -m vllm.entrypoints.openai.api_server``
-   on 127.0.0.1, as in ``tests/test_serve.py``, but with the fixed budget: the adaptive budget learns
-   from every step, so its trees, and with them a seeded request's draws, differ from one load round
-   to the next; ``tests/test_serve.py`` serves the adaptive one). A streamed completion is cut after a
+   on 127.0.0.1, as in ``tests/test_serve.py``, but with the fixed budget, so that this module and
+   that one, which serves the adaptive budget, cover both). A streamed completion is cut after a
    few chunks while others run; they finish with the text of the offline no-speculation run, the
    server stays healthy, answers a new request, and its KV cache is empty afterwards.
 
@@ -84,10 +83,9 @@ ABORT_AFTER_CHUNKS = 3
 ABORT_MAX_TOKENS = 48
 ABORTED_MAX_TOKENS = 400  # the cut stream could not finish before the cut
 LOAD_CLIENTS = 64
-# Every prompt of a load round is prefilled in one piece (64 x 200 < 16384). Where a prefill is cut
-# depends on arrival timing, and the drafts (of vLLM's own EAGLE as well) and so the draws of a
-# seeded request change with the cut: seeded answers would not be reproducible run to run.
-# Chunked prefill is covered offline (PRESSURE_BATCH_TOKENS).
+# Every prompt of a load round is prefilled in one piece (64 x 200 < 16384): where a prefill is cut
+# depends on arrival timing, and a cut prefill is tested offline, where the cut is deterministic
+# (PRESSURE_BATCH_TOKENS).
 SERVER_BATCH_TOKENS = 16384
 LOAD_ROUND_SECONDS = 240
 METRICS_SECONDS = 30
